@@ -1,0 +1,74 @@
+"""The drafter protocol: every method proposes a DraftTree and learns what the target kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from specviz.errors import SettingsError
+from specviz.tree import DraftTree
+from specviz.verify import Sampling
+
+
+@dataclass
+class Commit:
+    """What just entered the target's cache, and the token waiting to go in next."""
+
+    tokens: torch.Tensor  # [T] the prompt after prefill; root + accepted drafts after a step
+    features: torch.Tensor  # [T, H] the target's last hidden state (before its final norm) there
+    pending: int  # the target's newest token, the root of the next draft tree
+
+
+@dataclass
+class DraftRequest:
+    tokens: list[int]  # the whole sequence so far: prompt + output, ending with the pending root
+    max_depth: int  # tokens beyond this depth can never be used (the run ends first)
+    sampling: Sampling
+    generator: torch.Generator | None = None
+
+
+class Drafter:
+    """Base class. Subclasses set ``name`` and implement ``propose``; ``observe`` is optional."""
+
+    name = "base"
+    title = ""  # one line for listings and the UI
+    trained = False  # ships a checkpoint
+
+    def reset(self) -> None:
+        """Forget the previous sequence."""
+
+    def observe(self, commit: Commit) -> None:
+        """Learn what the target committed (tokens and features) and its pending token."""
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        raise NotImplementedError
+
+    def num_parameters(self) -> int:
+        """Parameters this method adds on top of the target (for 'extra memory %')."""
+        return 0
+
+
+def check_range(name: str, value, low, high) -> None:
+    if not (low <= value <= high):
+        raise SettingsError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+@dataclass
+class Settings:
+    """Base for per-drafter settings: ``ranges`` maps a field to its inclusive (low, high)."""
+
+    ranges = {}
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name in self.ranges:
+                check_range(f.name, getattr(self, f.name), *self.ranges[f.name])
+
+    @classmethod
+    def build(cls, **given):
+        known = {f.name for f in fields(cls)}
+        unknown = set(given) - known
+        if unknown:
+            raise SettingsError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**given)

@@ -1,0 +1,71 @@
+"""A small causal LM drafting a chain token by token with its own KV cache (used by skip and sps)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from specviz.tree import DraftTree
+from specviz.verify import probabilities
+
+from .base import Drafter, DraftRequest
+
+
+class ChainLMDrafter(Drafter):
+    """Drafts ``num_tokens`` tokens autoregressively; sampled drafts carry their distributions."""
+
+    def __init__(self, model, num_tokens: int, target_vocab: int):
+        self.model = model.eval()
+        self.num_tokens = num_tokens
+        self.target_vocab = target_vocab
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached: list[int] = []  # tokens whose keys/values are in self.cache
+
+    @torch.inference_mode()
+    def _feed(self, ids: list[int]) -> torch.Tensor:
+        start = len(self.cached)
+        device = next(self.model.parameters()).device
+        out = self.model(
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=torch.arange(start, start + len(ids), device=device)[None],
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cached += ids
+        return out.logits[0, -1, : self.target_vocab].float().cpu()
+
+    def _sync(self, tokens: list[int]) -> torch.Tensor:
+        """Drop cached tokens that left the sequence, feed the new ones; logits after the last."""
+        keep = 0
+        for a, b in zip(self.cached, tokens[:-1]):  # the root is always re-fed for its logits
+            if a != b:
+                break
+            keep += 1
+        if keep < len(self.cached):
+            self.cache.crop(keep - len(self.cached))
+            self.cached = self.cached[:keep]
+        return self._feed(tokens[keep:])
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        depth = min(self.num_tokens, request.max_depth)
+        logits = self._sync(request.tokens)
+        drafted, logps, dists = [], [], []
+        for i in range(depth):
+            q = probabilities(logits, request.sampling)
+            tok = int(q.argmax()) if request.sampling.greedy else int(torch.multinomial(q, 1, generator=request.generator))
+            drafted.append(tok)
+            logps.append(torch.log_softmax(logits, -1)[tok])
+            dists.append(q)
+            if i + 1 < depth:
+                logits = self._feed([tok])
+        if request.sampling.greedy or not drafted:
+            return DraftTree.chain(drafted, torch.tensor(logps))
+        dists.append(torch.zeros_like(dists[0]))  # the last node has no children
+        return DraftTree.chain(drafted, torch.stack(logps), torch.stack(dists))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())

@@ -1,0 +1,47 @@
+"""Prompt lookup decoding: match the last n-gram earlier in prompt + output, propose what followed."""
+
+from dataclasses import dataclass
+
+import torch
+
+from specviz.errors import SettingsError
+from specviz.tree import DraftTree
+
+from .base import Drafter, DraftRequest, Settings
+
+
+@dataclass
+class PromptLookupSettings(Settings):
+    num_tokens: int = 8  # longest continuation proposed
+    max_ngram: int = 3
+    min_ngram: int = 1
+    ranges = {"num_tokens": (1, 64), "max_ngram": (1, 8), "min_ngram": (1, 8)}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_ngram > self.max_ngram:
+            raise SettingsError(f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})")
+
+
+def lookup(tokens: torch.Tensor, settings: PromptLookupSettings, limit: int) -> torch.Tensor:
+    """Continuation of the most recent earlier match of the longest suffix n-gram (n from max to min)."""
+    length = tokens.numel()
+    for n in range(min(settings.max_ngram, length - 1), settings.min_ngram - 1, -1):
+        windows = tokens[: length - 1].unfold(0, n, 1)  # windows that have at least one token after them
+        hits = torch.nonzero((windows == tokens[-n:]).all(dim=1)).flatten()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return tokens[start : start + min(settings.num_tokens, limit)]
+    return tokens[:0]
+
+
+class PromptLookupDrafter(Drafter):
+    name = "pld"
+    title = "Prompt lookup (n-gram copy from prompt + output)"
+
+    def __init__(self, target=None, settings: PromptLookupSettings | None = None):
+        self.settings = settings or PromptLookupSettings()
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        found = lookup(torch.tensor(request.tokens), self.settings, request.max_depth)
+        return DraftTree.chain(found)

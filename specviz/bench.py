@@ -1,0 +1,223 @@
+"""Benchmarks (not tests): methods on a question set, and the target's verify-cost curve.
+
+Every method runs on the same prompts in the same process, interleaved prompt by prompt, and
+speedup is AR's time per token over the method's. ``hf`` and ``hf-pld`` run transformers' own
+``generate`` (plain, and with ``prompt_lookup_num_tokens=10``) as outside baselines.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from drafters import METHODS, build_drafter
+
+from .data import Question
+from .engine import Clock, StepRecord, run
+from .errors import SettingsError
+from .metrics import acceptance_by_depth, extra_memory_pct, summarize
+from .target import TargetModel
+from .tree import DraftTree
+from .verify import Sampling
+
+HF_BASELINES = {"hf": {}, "hf-pld": {"prompt_lookup_num_tokens": 10}}
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    """'skip:layers=12:num_tokens=3' -> ('skip', {'layers': 12, 'num_tokens': 3})."""
+    name, *pairs = spec.strip().split(":")
+    settings = {}
+    for pair in pairs:
+        key, sep, val = pair.partition("=")
+        if not sep or not key:
+            raise SettingsError(f"bad setting {pair!r} in {spec!r}; write name:key=value:key=value")
+        settings[key] = _value(val)
+    if name not in METHODS and name not in HF_BASELINES:
+        raise SettingsError(f"unknown method {name!r}; choose from {', '.join([*METHODS, *HF_BASELINES])}")
+    return name, settings
+
+
+@dataclass
+class PromptRun:
+    output: list[int]
+    wall_s: float
+    records: list[StepRecord] | None = None  # None for the HF baselines
+
+
+def _hf_runner(target: TargetModel, max_new_tokens: int, sampling: Sampling, extra: dict) -> Callable:
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy, **extra)
+    if not sampling.greedy:
+        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+    clock = Clock(target.device)
+
+    def go(ids: list[int]) -> PromptRun:
+        start = clock()
+        with torch.inference_mode():
+            out = target.model.generate(torch.tensor([ids], device=target.device), **kwargs)
+        wall = clock() - start
+        new = out[0, len(ids) :].tolist()
+        return PromptRun(new, wall)
+
+    return go
+
+
+def _engine_runner(target: TargetModel, name: str, settings: dict, max_new_tokens: int, sampling: Sampling) -> tuple[Callable, int]:
+    drafter = build_drafter(name, target, **settings)
+
+    def go(ids: list[int]) -> PromptRun:
+        result = run(target, drafter, ids, max_new_tokens, sampling)
+        return PromptRun(result.output_ids, result.wall_s, result.records)
+
+    return go, drafter.num_parameters()
+
+
+def _aggregate(runs: list[PromptRun], ar_runs: list[PromptRun], questions: list[Question], target_params: int,
+               extra_params: int, sampling: Sampling) -> dict:
+    tokens = sum(len(r.output) for r in runs)
+    wall = sum(r.wall_s for r in runs)
+    ar_tokens, ar_wall = sum(len(r.output) for r in ar_runs), sum(r.wall_s for r in ar_runs)
+    out = {
+        "prompts": len(runs),
+        "new_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "speedup": (ar_wall / ar_tokens) / (wall / tokens) if tokens and ar_tokens else 0.0,
+        "identical_to_ar": sum(r.output == a.output for r, a in zip(runs, ar_runs)),
+        "extra_memory_pct": extra_memory_pct(extra_params, target_params),
+    }
+    if runs[0].records is not None:
+        records = [rec for r in runs for rec in r.records]
+        m = summarize(records, wall)
+        out.update(tau=m.tau, latency_ms=m.latency_ms, mean_tree_size=m.mean_tree_size,
+                   alpha_conditional=m.alpha_conditional, alpha_unconditional=m.alpha_unconditional)
+    if not sampling.greedy:
+        out["identical_to_ar_note"] = "sampling: outputs differ from AR by design; compare distributions, not tokens"
+    by_cat: dict[str, dict] = {}
+    for q, r, a in zip(questions, runs, ar_runs):
+        c = by_cat.setdefault(q.category, {"tokens": 0, "wall": 0.0, "ar_tokens": 0, "ar_wall": 0.0, "steps": 0, "acc": 0})
+        c["tokens"] += len(r.output)
+        c["wall"] += r.wall_s
+        c["ar_tokens"] += len(a.output)
+        c["ar_wall"] += a.wall_s
+        if r.records is not None:
+            decode = [x for x in r.records if x.step > 0]
+            c["steps"] += len(decode)
+            c["acc"] += sum(x.accepted + 1 for x in decode)
+    out["by_category"] = {
+        k: {
+            "tau": c["acc"] / c["steps"] if c["steps"] else None,
+            "speedup": (c["ar_wall"] / c["ar_tokens"]) / (c["wall"] / c["tokens"]) if c["tokens"] and c["ar_tokens"] else 0.0,
+        }
+        for k, c in by_cat.items()
+    }
+    return out
+
+
+def bench(target: TargetModel, methods: list[str], questions: list[Question], max_new_tokens: int = 128,
+          sampling: Sampling | None = None, warmup: bool = True, progress: bool = True) -> dict:
+    """Run every method on every question (AR always included as the reference)."""
+    sampling = sampling or Sampling()
+    specs = [parse_method(m) for m in methods]
+    labels = [m.strip() for m in methods]
+    if len(set(labels)) != len(labels):
+        raise SettingsError(f"a method is listed twice in {methods}")
+    if "ar" in labels:  # AR runs first on every prompt: it is the reference
+        specs.pop(labels.index("ar"))
+        labels.remove("ar")
+    specs.insert(0, ("ar", {}))
+    labels.insert(0, "ar")
+    runners, extra = {}, {}
+    for label, (name, settings) in zip(labels, specs):
+        if name in HF_BASELINES:
+            runners[label], extra[label] = _hf_runner(target, max_new_tokens, sampling, {**HF_BASELINES[name], **settings}), 0
+        else:
+            runners[label], extra[label] = _engine_runner(target, name, settings, max_new_tokens, sampling)
+    prompts = [target.encode_chat(q.prompt) for q in questions]
+    if warmup:
+        for go in runners.values():
+            go(prompts[0][:64])
+    results: dict[str, list[PromptRun]] = {label: [] for label in labels}
+    per_prompt = []
+    for q, ids in tqdm(list(zip(questions, prompts)), desc="bench", disable=not progress, unit="prompt"):
+        row = {"id": q.id, "category": q.category, "prompt_tokens": len(ids), "methods": {}}
+        for label in labels:
+            r = runners[label](ids)
+            results[label].append(r)
+            entry = {"new_tokens": len(r.output), "wall_s": r.wall_s, "identical_to_ar": r.output == results["ar"][-1].output}
+            if r.records is not None:
+                decode = [x for x in r.records if x.step > 0]
+                entry["steps"] = len(decode)
+                entry["accepted_per_step"] = [x.accepted for x in decode]
+            row["methods"][label] = entry
+        per_prompt.append(row)
+    target_params = target.num_parameters
+    summary = {
+        label: _aggregate(results[label], results["ar"], questions, target_params, extra[label], sampling)
+        for label in labels
+    }
+    return {
+        "target": target.name,
+        "device": str(target.device),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "max_new_tokens": max_new_tokens,
+        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "rule": sampling.resolved_rule},
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine_description(),
+        "methods": summary,
+        "per_prompt": per_prompt,
+    }
+
+
+def machine_description() -> str:
+    import os
+    import platform
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 7) -> dict:
+    """Median ms of one target forward verifying n tokens after ``context`` cached tokens."""
+    if context < 1 or context + max(sizes) > target.max_length:
+        raise SettingsError(f"context must be in [1, {target.max_length - max(sizes)}], got {context}")
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
+    clock = Clock(target.device)
+    target.prefill(prompt)
+    rows = []
+    for n in tqdm(sizes, desc="profile", unit="size"):
+        tree = DraftTree.chain(torch.randint(0, target.vocab_size, (n - 1,), generator=gen))
+        times = []
+        for i in range(repeats + 1):
+            start = clock()
+            target.verify(prompt[-1], tree)
+            elapsed = clock() - start
+            target.cache.crop(-n)
+            if i:  # the first call warms up
+                times.append(elapsed)
+        rows.append({"tokens": n, "ms": 1000 * statistics.median(times)})
+    base = rows[0]["ms"]
+    for r in rows:
+        r["relative_to_1"] = r["ms"] / base
+    return {"target": target.name, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
+            "context": context, "machine": machine_description(), "date": time.strftime("%Y-%m-%d"), "curve": rows}
+
+
+def alpha_table(records: list[StepRecord]) -> list[tuple[int, float, float]]:
+    cond, uncond = acceptance_by_depth(records)
+    return [(k + 1, c, u) for k, (c, u) in enumerate(zip(cond, uncond))]

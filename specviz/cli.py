@@ -1,0 +1,156 @@
+"""Command line: ``python -m specviz {generate,bench,profile,methods}``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from drafters import METHODS, build_drafter
+
+from .errors import SpecvizError
+from .verify import RULES, Sampling
+
+GREEN, YELLOW, RESET = "\033[32m", "\033[33m", "\033[0m"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="HF model id or folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--rule", default="auto", choices=["auto", *RULES], help="acceptance rule (typical is lossy)")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m specviz", description="Speculative decoding, one engine, many drafters.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate with one method, tokens coloured by origin")
+    _common(g)
+    g.add_argument("--method", default="ar", help="method, optionally with settings: skip:layers=12:num_tokens=3")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+
+    b = sub.add_parser("bench", help="methods on a question set; writes results.json")
+    _common(b)
+    b.add_argument("--questions", default="mt-bench", help="mt-bench, humaneval or a question.jsonl path")
+    b.add_argument("--methods", default="ar,pld", help="comma-separated; also hf, hf-pld (transformers generate)")
+    b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--out", default="results.json")
+
+    pr = sub.add_parser("profile", help="verify-cost curve: ms per target forward vs tokens verified")
+    pr.add_argument("--target", default=None)
+    pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    pr.add_argument("--device", default=None)
+    pr.add_argument("--context", type=int, default=256)
+    pr.add_argument("--max-size", type=int, default=64)
+    pr.add_argument("--repeats", type=int, default=7)
+    pr.add_argument("--out", default=None)
+
+    sub.add_parser("methods", help="list the methods and their settings")
+    return parser
+
+
+def _sampling(args) -> Sampling:
+    return Sampling(temperature=args.temperature, top_p=args.top_p, rule=args.rule, seed=args.seed)
+
+
+def _colour(target, records, enabled: bool) -> str:
+    parts = []
+    for r in records:
+        for i, tok in enumerate(r.tokens):
+            text = target.decode([tok])
+            drafted = i < r.accepted
+            parts.append(f"{GREEN if drafted else YELLOW}{text}{RESET}" if enabled else text)
+    return "".join(parts)
+
+
+def cmd_generate(args) -> None:
+    from .bench import alpha_table, parse_method
+    from .engine import check_request, run
+    from .load import load_target
+    from .metrics import extra_memory_pct, summarize
+
+    sampling = _sampling(args)
+    if not args.prompt.strip():
+        raise SpecvizError("the prompt is empty")
+    name, settings = parse_method(args.method)
+    target = load_target(args.target, args.dtype, args.device)
+    drafter = build_drafter(name, target, **settings)
+    ids = target.encode_chat(args.prompt)
+    check_request(target, ids, args.max_new_tokens)
+    result = run(target, drafter, ids, args.max_new_tokens, sampling)
+    colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    print(_colour(target, result.records, colour))
+    m = summarize(result.records, result.wall_s)
+    print()
+    if colour:
+        print(f"legend: {GREEN}accepted draft token{RESET}  {YELLOW}target token (bonus / correction){RESET}")
+    print(f"method {args.method}: {m.new_tokens} tokens in {m.wall_s:.2f} s = {m.tokens_per_s:.1f} tok/s, "
+          f"{m.steps} target forwards after prefill")
+    print(f"tau (tokens per target forward, bonus included) = {m.tau:.2f}; mean draft tree size {m.mean_tree_size:.1f}")
+    print("latency per token (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in m.latency_ms.items()))
+    print(f"extra memory: {extra_memory_pct(drafter.num_parameters(), target.num_parameters):.1f}% of target parameters")
+    for depth, c, u in alpha_table(result.records):
+        print(f"  alpha depth {depth}: conditional {c:.3f} (accepted / steps reaching depth), unconditional {u:.3f} (accepted / all steps)")
+
+
+def cmd_bench(args) -> None:
+    from .bench import bench
+    from .data import load_questions
+    from .load import load_target
+
+    sampling = _sampling(args)
+    methods = [m for m in args.methods.split(",") if m.strip()]
+    questions = load_questions(args.questions, args.limit)
+    target = load_target(args.target, args.dtype, args.device)
+    results = bench(target, methods, questions, args.max_new_tokens, sampling)
+    results["questions"] = args.questions
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"{'method':28} {'tau':>6} {'tok/s':>7} {'speedup':>8} {'identical':>10}")
+    for label, m in results["methods"].items():
+        tau = f"{m['tau']:.2f}" if "tau" in m else "-"
+        print(f"{label:28} {tau:>6} {m['tokens_per_s']:7.1f} {m['speedup']:7.2f}x {m['identical_to_ar']:>4}/{m['prompts']}")
+    print(f"wrote {args.out}")
+
+
+def cmd_profile(args) -> None:
+    from .bench import profile
+    from .load import load_target
+
+    sizes = [1]
+    while sizes[-1] * 2 <= args.max_size:
+        sizes.append(sizes[-1] * 2)
+    target = load_target(args.target, args.dtype, args.device)
+    result = profile(target, args.context, sizes, args.repeats)
+    print(f"verify cost on {result['machine']} ({result['dtype']}, {args.context} cached tokens):")
+    for row in result["curve"]:
+        print(f"  {row['tokens']:3d} tokens: {row['ms']:7.1f} ms  ({row['relative_to_1']:.2f}x one token)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def cmd_methods(_args) -> None:
+    from dataclasses import fields
+
+    for name, (cls, settings_cls) in METHODS.items():
+        opts = ", ".join(f"{f.name}={f.default!r}" for f in fields(settings_cls))
+        print(f"{name:8} {cls.title}" + (f"  [{opts}]" if opts else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "methods": cmd_methods}[args.command](args)
+    except SpecvizError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,162 @@
+"""The decoding loop: draft -> verify -> accept -> commit, one StepRecord per target forward."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from drafters.base import Commit, Drafter, DraftRequest
+
+from .errors import SettingsError
+from .target import TargetModel
+from .tree import DraftTree
+from .verify import Sampling, accept, probabilities
+
+
+@dataclass
+class Timings:
+    """Seconds per phase of one step: drafter compute, target forward, acceptance + cache commit."""
+
+    draft: float = 0.0
+    verify: float = 0.0
+    accept: float = 0.0
+    other: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.draft + self.verify + self.accept + self.other
+
+
+@dataclass
+class StepRecord:
+    step: int  # 0 = prefill (no draft)
+    tree: DraftTree
+    path: list[int]  # accepted verify-input indices (root excluded), in depth order
+    tokens: list[int]  # tokens emitted this step: accepted drafts then the bonus, cut at EOS/limit
+    bonus: int
+    node_target_p: torch.Tensor  # [N] target prob of each draft token given its parent
+    bonus_target_p: float
+    timings: Timings = field(default_factory=Timings)
+    finished: str | None = None  # "eos" | "length" on the last step
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
+
+
+class Clock:
+    """perf_counter that waits for the GPU first, so phases are charged to the right timer."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def check_request(target: TargetModel, prompt_ids: list[int], max_new_tokens: int) -> None:
+    if not prompt_ids:
+        raise SettingsError("the prompt is empty")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise SettingsError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    room = target.max_length - len(prompt_ids)
+    if room < 1:
+        raise SettingsError(f"the prompt has {len(prompt_ids)} tokens; the target's context is {target.max_length}")
+    if max_new_tokens > room:
+        raise SettingsError(
+            f"max_new_tokens={max_new_tokens} does not fit: the prompt uses {len(prompt_ids)} of the "
+            f"target's {target.max_length}-token context, leaving {room}"
+        )
+
+
+def _display_p(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """Target probabilities to show on hover (softmax at T=1 when decoding greedily)."""
+    return probabilities(logits, s) if not s.greedy else torch.softmax(logits.float(), dim=-1)
+
+
+def generate(
+    target: TargetModel,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    max_new_tokens: int = 128,
+    sampling: Sampling | None = None,
+    stop_on_eos: bool = True,
+) -> Iterator[StepRecord]:
+    """Yield one StepRecord for the prefill and one per verify step until EOS or the token limit."""
+    sampling = sampling or Sampling()
+    check_request(target, prompt_ids, max_new_tokens)
+    gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+    eos = target.eos_token_ids if stop_on_eos else set()
+    clock = Clock(target.device)
+
+    def finish(new: list[int], produced: int) -> tuple[list[int], str | None]:
+        for i, tok in enumerate(new):
+            if tok in eos:
+                return new[: i + 1], "eos"
+        if produced + len(new) >= max_new_tokens:
+            return new[: max_new_tokens - produced], "length"
+        return new, None
+
+    t0 = clock()
+    drafter.reset()
+    logits, feats = target.prefill(prompt_ids)
+    t1 = clock()
+    first = accept(DraftTree.empty(), logits[None], sampling, gen).bonus
+    t2 = clock()
+    drafter.observe(Commit(torch.as_tensor(prompt_ids), feats, first))
+    t3 = clock()
+    tokens, finished = finish([first], 0)
+    p_first = float(_display_p(logits, sampling)[first])
+    timings = Timings(draft=t3 - t2, verify=t1 - t0, accept=t2 - t1)
+    yield StepRecord(0, DraftTree.empty(), [], tokens, first, torch.zeros(0), p_first, timings, finished)
+    sequence, produced, step = list(prompt_ids) + tokens, len(tokens), 0
+    while finished is None:
+        step += 1
+        t0 = clock()
+        request = DraftRequest(sequence, max_new_tokens - produced - 1, sampling, gen)
+        tree = drafter.propose(request) if request.max_depth > 0 else DraftTree.empty()
+        t1 = clock()
+        past = target.past_length
+        logits, feats = target.verify(sequence[-1], tree)
+        t2 = clock()
+        result = accept(tree, logits, sampling, gen)
+        keep = [0] + result.path
+        target.commit(past, keep)
+        t3 = clock()
+        committed = tree.input_ids(sequence[-1])[keep]
+        drafter.observe(Commit(committed, feats[keep], result.bonus))
+        t4 = clock()
+        probs = _display_p(logits, sampling)
+        node_p = probs[tree.parents, tree.tokens.to(probs.device)].cpu() if len(tree) else torch.zeros(0)
+        last = result.path[-1] if result.path else 0
+        new, finished = finish(committed[1:].tolist() + [result.bonus], produced)
+        sequence += new
+        produced += len(new)
+        t5 = clock()
+        timings = Timings(draft=(t1 - t0) + (t4 - t3), verify=t2 - t1, accept=t3 - t2, other=t5 - t4)
+        yield StepRecord(step, tree, result.path, new, result.bonus, node_p, float(probs[last, result.bonus]), timings, finished)
+
+
+@dataclass
+class RunResult:
+    method: str
+    prompt_ids: list[int]
+    records: list[StepRecord]
+    wall_s: float
+
+    @property
+    def output_ids(self) -> list[int]:
+        return [t for r in self.records for t in r.tokens]
+
+
+def run(target: TargetModel, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int = 128,
+        sampling: Sampling | None = None, stop_on_eos: bool = True) -> RunResult:
+    """Run a whole generation and collect its records."""
+    start = time.perf_counter()
+    records = list(generate(target, drafter, prompt_ids, max_new_tokens, sampling, stop_on_eos))
+    return RunResult(drafter.name, list(prompt_ids), records, time.perf_counter() - start)

