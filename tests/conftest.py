@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny random Llama targets/assistants and a cache-free reference forward."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from specviz.target import TargetModel  # noqa: E402
+
+# The models here are tiny: intra-op threading only adds overhead (and is very slow when the
+# cores are shared with other processes).
+torch.set_num_threads(1)
+
+
+def make_llama(vocab_size: int = 32, seed: int = 0, num_layers: int = 2, std: float = 0.2,
+               max_positions: int = 256, eos: int | None = None) -> transformers.LlamaForCausalLM:
+    """A tiny random fp32 Llama. ``std`` well above the default 0.02 gives peaked, tie-free logits."""
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        initializer_range=std,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    model.generation_config.eos_token_id = eos
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model
+
+
+@torch.inference_mode()
+def reference_logits(model, ids) -> torch.Tensor:
+    """Logits [T, V] of one plain causal forward over ``ids`` (no cache, no custom mask)."""
+    ids = torch.as_tensor(ids, dtype=torch.long)[None]
+    return model(input_ids=ids, use_cache=False).logits[0].float()
+
+
+@torch.inference_mode()
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Plain greedy decoding by full forwards (no cache): the ground truth for greedy runs."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(reference_logits(model, seq)[-1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """Factory: ``tiny_llama(vocab_size=32, seed=0, num_layers=2, std=0.2, max_positions=256, eos=None)``."""
+    return make_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    """Factory returning a fresh ``TargetModel`` around a new tiny Llama (same arguments as tiny_llama)."""
+
+    def factory(vocab_size: int = 32, seed: int = 0, num_layers: int = 2, **kwargs) -> TargetModel:
+        return TargetModel(make_llama(vocab_size, seed, num_layers, **kwargs))
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def ref_logits():
+    return reference_logits
+
+
+@pytest.fixture(scope="session")
+def ref_greedy():
+    return reference_greedy

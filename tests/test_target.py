@@ -1,0 +1,171 @@
+"""TargetModel: prefill, commit of an accepted tree path (crop or gather), next verify after commit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specviz.errors import SpecvizError
+from specviz.target import TargetError, TargetModel
+from specviz.tree import DraftTree
+
+
+def cache_kv(target: TargetModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys.clone(), layer.values.clone()) for layer in target.cache.layers]
+
+
+def assert_cache_equal(got, expected) -> None:
+    assert len(got) == len(expected)
+    for (k, v), (ek, ev) in zip(got, expected):
+        assert k.shape == ek.shape, (k.shape, ek.shape)
+        torch.testing.assert_close(k, ek, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, ev, atol=1e-5, rtol=1e-5)
+
+
+# Input indices 0..8: root; 1 -> 2 -> 3 is a chain at the front of the input (a prefix),
+# 4 hangs off the root, 5 and 6 off node 1, 7 off 5, 8 off 4.
+TREE_PARENTS = [0, 1, 2, 0, 1, 1, 5, 4]
+PREFIX_PATHS = [[], [1], [1, 2], [1, 2, 3]]
+GATHER_PATHS = [[4], [4, 8], [1, 5], [1, 5, 7], [1, 6]]
+
+
+def fixed_tree(seed: int) -> DraftTree:
+    g = torch.Generator().manual_seed(seed)
+    return DraftTree(torch.randint(0, 32, (len(TREE_PARENTS),), generator=g), torch.tensor(TREE_PARENTS))
+
+
+@pytest.mark.parametrize("path", PREFIX_PATHS + GATHER_PATHS, ids=str)
+def test_commit_equals_fresh_prefill(path, tiny_target, ref_logits):
+    target = tiny_target(vocab_size=32, seed=1)
+    prompt = [5, 9, 2, 7, 7, 1, 30]
+    root = 11
+    tree = fixed_tree(3)
+    assert all(1 <= n <= len(tree) for n in path)
+    for a, b in zip([0] + path, path):  # the path is a real root-to-node walk
+        assert int(tree.parents[b - 1]) == a
+    target.prefill(prompt)
+    past = target.past_length
+    target.verify(root, tree)
+    target.commit(past, [0] + path)
+    accepted = [int(tree.tokens[n - 1]) for n in path]
+    assert target.past_length == len(prompt) + 1 + len(path)
+    committed = cache_kv(target)
+
+    # the cache after commit is the cache of a fresh prefill over the accepted sequence
+    fresh = tiny_target(vocab_size=32, seed=1)
+    fresh.prefill(prompt + [root] + accepted)
+    assert_cache_equal(committed, cache_kv(fresh))
+
+    # and the next verify sees exactly that sequence
+    nxt = 4
+    tree2 = DraftTree(torch.tensor([3, 8, 3]), torch.tensor([0, 1, 0]))
+    logits, _ = target.verify(nxt, tree2)
+    seq = prompt + [root] + accepted + [nxt]
+    for node, extra in [(0, []), (1, [3]), (2, [3, 8]), (3, [3])]:
+        torch.testing.assert_close(logits[node], ref_logits(target.model, seq + extra)[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_many_rounds_of_verify_and_commit(seed, tiny_target, ref_logits):
+    """Random trees, random accepted paths, many rounds: every verify equals a cache-free forward."""
+    rng = random.Random(seed)
+    target = tiny_target(vocab_size=32, seed=seed)
+    seq = [rng.randrange(32) for _ in range(rng.randint(1, 6))]
+    target.prefill(seq)
+    root = rng.randrange(32)
+    for _ in range(8):
+        n = rng.randint(0, 10)
+        tree = DraftTree(
+            torch.tensor([rng.randrange(32) for _ in range(n)], dtype=torch.long),
+            torch.tensor([rng.randint(0, i) for i in range(n)], dtype=torch.long),
+        )
+        past = target.past_length
+        assert past == len(seq)
+        logits, _ = target.verify(root, tree)
+        # random root-to-node path, sometimes the root alone
+        node = rng.randint(0, n)
+        path = []
+        while node:
+            path.append(node)
+            node = int(tree.parents[node - 1])
+        path = path[::-1]
+        tokens = [int(tree.tokens[i - 1]) for i in path]
+        expected = ref_logits(target.model, seq + [root] + tokens)
+        torch.testing.assert_close(logits[[0] + path], expected[len(seq):], atol=1e-4, rtol=1e-4)
+        target.commit(past, [0] + path)
+        seq = seq + [root] + tokens
+        root = rng.randrange(32)
+    assert target.past_length == len(seq)
+
+
+def test_features_match_sequential_prefill(tiny_target):
+    target = tiny_target(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    tree = fixed_tree(0)
+    _, prefill_feats = target.prefill(prompt)
+    assert prefill_feats.shape == (len(prompt), 64)
+    _, feats = target.verify(9, tree)
+    for node in range(len(tree) + 1):
+        path, n = [], node
+        while n:
+            path.append(int(tree.tokens[n - 1]))
+            n = int(tree.parents[n - 1])
+        other = tiny_target(vocab_size=32, seed=2)
+        _, f = other.prefill(prompt + [9] + path[::-1])
+        torch.testing.assert_close(feats[node], f[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_resets_cache(tiny_target):
+    target = tiny_target(vocab_size=32, seed=0)
+    target.prefill([1, 2, 3, 4, 5])
+    target.verify(1, fixed_tree(0))
+    target.prefill([7, 8])
+    assert target.past_length == 2
+
+
+def test_context_limits(tiny_target):
+    target = tiny_target(vocab_size=32, seed=0, max_positions=16)
+    assert target.max_length == 16
+    with pytest.raises(TargetError, match="empty"):
+        target.prefill([])
+    with pytest.raises(TargetError, match="context"):
+        target.prefill(list(range(16)))
+    target.prefill(list(range(12)))
+    target.verify(1, DraftTree.chain([1, 2, 3]))  # positions 12..15: fits
+    target.commit(12, [0])
+    with pytest.raises(TargetError, match="exceeds the context"):
+        target.verify(1, DraftTree.chain([1, 2, 3, 4]))  # would need positions 13..17
+    assert issubclass(TargetError, SpecvizError)
+
+
+def test_model_properties(tiny_target):
+    target = tiny_target(vocab_size=40, seed=0, num_layers=3)
+    assert target.vocab_size == 40
+    assert target.dtype == torch.float32
+    assert target.device.type == "cpu"
+    assert target.num_parameters == sum(p.numel() for p in target.model.parameters())
+    assert target.eos_token_ids == set()
+    with pytest.raises(TargetError, match="tokenizer"):
+        target.encode_chat("hi")
+    assert target.decode([1, 2]) == "1 2"
+
+
+@pytest.mark.parametrize("eos, expected", [(5, {5}), ([3, 4], {3, 4}), (0, {0})])
+def test_eos_token_ids(eos, expected, tiny_target):
+    target = tiny_target(vocab_size=16, seed=0, eos=eos)
+    assert target.eos_token_ids == expected
+    # generation_config unset: falls back to the model config
+    target.model.generation_config.eos_token_id = None
+    assert target.eos_token_ids == expected
+
+
+def test_eos_token_id_zero_in_generation_config_only(tiny_target):
+    """Token id 0 is a valid EOS: it must not be mistaken for 'unset' (``0 or ...``)."""
+    target = tiny_target(vocab_size=16, seed=0)
+    target.model.generation_config.eos_token_id = 0
+    target.config.eos_token_id = None
+    assert target.eos_token_ids == {0}
+    target.config.eos_token_id = 7  # generation_config wins over the model config
+    assert target.eos_token_ids == {0}
