@@ -135,11 +135,9 @@ def bench(target: TargetModel, methods: list[str], questions: list[Question], ma
     labels = [m.strip() for m in methods]
     if len(set(labels)) != len(labels):
         raise SettingsError(f"a method is listed twice in {methods}")
-    if "ar" in labels:  # AR runs first on every prompt: it is the reference
-        specs.pop(labels.index("ar"))
-        labels.remove("ar")
-    specs.insert(0, ("ar", {}))
-    labels.insert(0, "ar")
+    if "ar" not in labels:  # AR is the reference for speedup and identical_to_ar
+        specs.insert(0, ("ar", {}))
+        labels.insert(0, "ar")
     runners, extra = {}, {}
     for label, (name, settings) in zip(labels, specs):
         if name in HF_BASELINES:
@@ -151,19 +149,28 @@ def bench(target: TargetModel, methods: list[str], questions: list[Question], ma
         for go in runners.values():
             go(prompts[0][:64])
     results: dict[str, list[PromptRun]] = {label: [] for label in labels}
-    per_prompt = []
-    for q, ids in tqdm(list(zip(questions, prompts)), desc="bench", disable=not progress, unit="prompt"):
-        row = {"id": q.id, "category": q.category, "prompt_tokens": len(ids), "methods": {}}
-        for label in labels:
-            r = runners[label](ids)
-            results[label].append(r)
-            entry = {"new_tokens": len(r.output), "wall_s": r.wall_s, "identical_to_ar": r.output == results["ar"][-1].output}
-            if r.records is not None:
-                decode = [x for x in r.records if x.step > 0]
-                entry["steps"] = len(decode)
-                entry["accepted_per_step"] = [x.accepted for x in decode]
-            row["methods"][label] = entry
-        per_prompt.append(row)
+    per_prompt, interrupted = [], False
+    try:
+        for q, ids in tqdm(list(zip(questions, prompts)), desc="bench", disable=not progress, unit="prompt"):
+            row = {"id": q.id, "category": q.category, "prompt_tokens": len(ids), "methods": {}}
+            shift = len(per_prompt) % len(labels)  # rotate the order so no method always runs first
+            done = {label: runners[label](ids) for label in labels[shift:] + labels[:shift]}
+            for label in labels:
+                r = done[label]
+                results[label].append(r)
+                entry = {"new_tokens": len(r.output), "wall_s": r.wall_s, "identical_to_ar": r.output == done["ar"].output}
+                if r.records is not None:
+                    decode = [x for x in r.records if x.step > 0]
+                    entry["steps"] = len(decode)
+                    entry["accepted_per_step"] = [x.accepted for x in decode]
+                row["methods"][label] = entry
+            per_prompt.append(row)
+    except KeyboardInterrupt:  # keep every prompt that all methods finished
+        interrupted = True
+        results = {label: runs[: len(per_prompt)] for label, runs in results.items()}
+        if not per_prompt:
+            raise
+    questions = questions[: len(per_prompt)]
     target_params = target.num_parameters
     summary = {
         label: _aggregate(results[label], results["ar"], questions, target_params, extra[label], sampling)
@@ -177,6 +184,7 @@ def bench(target: TargetModel, methods: list[str], questions: list[Question], ma
         "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "rule": sampling.resolved_rule},
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_description(),
+        "interrupted": interrupted,
         "methods": summary,
         "per_prompt": per_prompt,
     }

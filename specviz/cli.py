@@ -60,19 +60,29 @@ def _sampling(args) -> Sampling:
     return Sampling(temperature=args.temperature, top_p=args.top_p, rule=args.rule, seed=args.seed)
 
 
-def _colour(target, records, enabled: bool) -> str:
-    parts = []
-    for r in records:
-        for i, tok in enumerate(r.tokens):
-            text = target.decode([tok])
-            drafted = i < r.accepted
-            parts.append(f"{GREEN if drafted else YELLOW}{text}{RESET}" if enabled else text)
-    return "".join(parts)
+def stream_coloured(target, steps, enabled: bool, out=None) -> list:
+    """Print each step's tokens as they arrive (accepted drafts green, target tokens yellow)."""
+    out = out or sys.stdout
+    records, ids, shown = [], [], ""
+    try:
+        for record in steps:
+            records.append(record)
+            for i, tok in enumerate(record.tokens):
+                ids.append(tok)
+                text = target.decode(ids)
+                piece, shown = text[len(shown):] if text.startswith(shown) else target.decode([tok]), text
+                colour = GREEN if i < record.accepted else YELLOW
+                out.write(f"{colour}{piece}{RESET}" if enabled else piece)
+            out.flush()
+    except KeyboardInterrupt:  # keep what was generated and still report it
+        out.write("\n[stopped]")
+    out.write("\n")
+    return records
 
 
 def cmd_generate(args) -> None:
     from .bench import alpha_table, parse_method
-    from .engine import check_request, run
+    from .engine import check_request, generate
     from .load import load_target
     from .metrics import extra_memory_pct, summarize
 
@@ -84,10 +94,9 @@ def cmd_generate(args) -> None:
     drafter = build_drafter(name, target, **settings)
     ids = target.encode_chat(args.prompt)
     check_request(target, ids, args.max_new_tokens)
-    result = run(target, drafter, ids, args.max_new_tokens, sampling)
     colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    print(_colour(target, result.records, colour))
-    m = summarize(result.records, result.wall_s)
+    records = stream_coloured(target, generate(target, drafter, ids, args.max_new_tokens, sampling), colour)
+    m = summarize(records)  # engine time only: printing is not charged to the method
     print()
     if colour:
         print(f"legend: {GREEN}accepted draft token{RESET}  {YELLOW}target token (bonus / correction){RESET}")
@@ -96,7 +105,7 @@ def cmd_generate(args) -> None:
     print(f"tau (tokens per target forward, bonus included) = {m.tau:.2f}; mean draft tree size {m.mean_tree_size:.1f}")
     print("latency per token (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in m.latency_ms.items()))
     print(f"extra memory: {extra_memory_pct(drafter.num_parameters(), target.num_parameters):.1f}% of target parameters")
-    for depth, c, u in alpha_table(result.records):
+    for depth, c, u in alpha_table(records):
         print(f"  alpha depth {depth}: conditional {c:.3f} (accepted / steps reaching depth), unconditional {u:.3f} (accepted / all steps)")
 
 
@@ -116,6 +125,8 @@ def cmd_bench(args) -> None:
     for label, m in results["methods"].items():
         tau = f"{m['tau']:.2f}" if "tau" in m else "-"
         print(f"{label:28} {tau:>6} {m['tokens_per_s']:7.1f} {m['speedup']:7.2f}x {m['identical_to_ar']:>4}/{m['prompts']}")
+    if results["interrupted"]:
+        print(f"interrupted: kept the {len(results['per_prompt'])} prompts every method finished")
     print(f"wrote {args.out}")
 
 

@@ -83,7 +83,8 @@ class TargetModel:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        ids = next((i for i in (getattr(self.model.generation_config, "eos_token_id", None), getattr(self.config, "eos_token_id", None)) if i is not None), None)
+        declared = (getattr(self.model.generation_config, "eos_token_id", None), getattr(self.config, "eos_token_id", None))
+        ids = next((i for i in declared if i is not None), None)  # an id of 0 is a real id
         if ids is None and self.tokenizer is not None:
             ids = self.tokenizer.eos_token_id
         if ids is None:

@@ -14,6 +14,9 @@ import torch
 from .errors import SettingsError
 
 
+_NO_TOKENS = torch.zeros(0, dtype=torch.long)
+
+
 class TreeError(SettingsError):
     """A draft tree that breaks the parent-before-child rules."""
 
@@ -47,7 +50,8 @@ class DraftTree:
 
     @classmethod
     def empty(cls) -> "DraftTree":
-        return cls(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+        """No draft: the target verifies the root alone (plain AR step)."""
+        return cls(_NO_TOKENS, _NO_TOKENS)
 
     @classmethod
     def chain(cls, tokens, logprobs=None, child_dists=None, **info) -> "DraftTree":

@@ -12,6 +12,7 @@ if str(ROOT) not in sys.path:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from scipy import stats  # noqa: E402
 
 from specviz.target import TargetModel  # noqa: E402
 
@@ -85,3 +86,25 @@ def ref_logits():
 @pytest.fixture(scope="session")
 def ref_greedy():
     return reference_greedy
+
+
+def chi2_pvalue(counts: dict, expected: dict) -> float:
+    """Pearson chi-square of observed cell counts against exact cell probabilities.
+
+    Cells with expected count < 5 are pooled; a sample the target can never produce gives 0.
+    """
+    n = sum(counts.values())
+    if any(expected.get(cell, 0.0) <= 0 for cell in counts):
+        return 0.0
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for cell, prob in expected.items():
+        if prob * n < 5:
+            pool_o, pool_e = pool_o + counts.get(cell, 0), pool_e + prob * n
+        else:
+            obs.append(counts.get(cell, 0))
+            exp.append(prob * n)
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    exp = [e * n / sum(exp) for e in exp]  # absorb float rounding of the exact probabilities
+    return float(stats.chisquare(obs, exp).pvalue)

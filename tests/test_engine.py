@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 import random
 
 import pytest
 import torch
-from scipy import stats
 
 import drafters
+from conftest import chi2_pvalue
 from drafters import build_drafter
 from drafters.ar import AutoregressiveDrafter
 from drafters.base import Drafter, DraftRequest
+from drafters.pld import PromptLookupSettings
 from drafters.sps import AssistantDrafter, AssistantSettings
 from specviz.engine import generate, run
 from specviz.target import TargetModel
@@ -119,7 +121,7 @@ def test_pld_greedy(settings, target, ar_outputs):
     nonempty = sum(1 for res in results for r in res.records if len(r.tree))
     drafted, accepted = drafted_and_accepted(results)
     assert nonempty > 0 and accepted > 0, "prompt lookup never proposed/accepted anything"
-    assert all(len(r.tree) <= settings.get("num_tokens", 8) for res in results for r in res.records)
+    assert all(len(r.tree) <= settings.get("num_tokens", PromptLookupSettings().num_tokens) for res in results for r in res.records)
 
 
 @pytest.mark.parametrize("layers, num_tokens", list(itertools.product([1, 2, 3], [1, 2, 3, 4, 5])))
@@ -333,27 +335,6 @@ def marginal(joint: dict, positions: tuple[int, ...]) -> dict:
     return out
 
 
-def chi2_pvalue(samples: list[tuple[int, ...]], expected: dict) -> float:
-    n = len(samples)
-    counts: dict = {}
-    for s in samples:
-        counts[s] = counts.get(s, 0) + 1
-    if any(expected.get(c, 0.0) <= 0 for c in counts):
-        return 0.0
-    obs, exp, pool_o, pool_e = [], [], 0, 0.0
-    for cell, prob in expected.items():
-        if prob * n < 5:
-            pool_o, pool_e = pool_o + counts.get(cell, 0), pool_e + prob * n
-        else:
-            obs.append(counts.get(cell, 0))
-            exp.append(prob * n)
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    exp = [e * n / sum(exp) for e in exp]
-    return float(stats.chisquare(obs, exp).pvalue)
-
-
 def sample_outputs(target, make_drafter, runs: int) -> list[list[int]]:
     outputs = []
     for seed in range(runs):
@@ -367,7 +348,7 @@ def sample_outputs(target, make_drafter, runs: int) -> list[list[int]]:
 def target_pvalues(outputs, joint) -> dict[str, float]:
     """Chi-square p-values of several marginals of the sampled outputs against the exact ones."""
     checks = {"t1": (0,), "t2": (1,), "t3": (2,), "t4": (3,), "(t1, t2)": (0, 1), "(t2, t3)": (1, 2)}
-    return {name: chi2_pvalue([tuple(o[i] for i in pos) for o in outputs], marginal(joint, pos))
+    return {name: chi2_pvalue(Counter(tuple(o[i] for i in pos) for o in outputs), marginal(joint, pos))
             for name, pos in checks.items()}
 
 

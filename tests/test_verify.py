@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-from scipy import stats
 
+from conftest import chi2_pvalue
 from specviz.errors import SettingsError
 from specviz.tree import DraftTree
 from specviz.verify import Acceptance, Sampling, accept, probabilities
@@ -259,25 +259,6 @@ def first_two(rule, make_tree, p, q, s, gen, rnd):
     return tuple(out[:2])
 
 
-def chi2_pvalue(counts: dict, expected: dict, n: int) -> float:
-    """Pearson chi-square; cells with expected count < 5 are pooled."""
-    if any(expected.get(cell, 0.0) <= 0 for cell in counts):
-        return 0.0  # a sample the target can never produce
-    obs, exp, pool_o, pool_e = [], [], 0.0, 0.0
-    for cell, prob in expected.items():
-        if prob * n < 5:
-            pool_o += counts.get(cell, 0)
-            pool_e += prob * n
-        else:
-            obs.append(counts.get(cell, 0))
-            exp.append(prob * n)
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    exp = [e * sum(obs) / sum(exp) for e in exp]  # absorb float rounding of the exact probs
-    return float(stats.chisquare(obs, exp).pvalue)
-
-
 def sample_pvalue(rule, make_tree, s, n, seed, p=None, q=None):
     p = p or Tables(seed=1, scale=1.3)
     q = q or Tables(seed=2, scale=1.3, zeros=2)
@@ -292,7 +273,7 @@ def sample_pvalue(rule, make_tree, s, n, seed, p=None, q=None):
     for (a, _), c in counts.items():
         first[(a,)] = first.get((a,), 0) + c
     first_exp = {(a,): float(pt([])[a]) for a in range(V)}
-    return chi2_pvalue(first, first_exp, n), chi2_pvalue(counts, expected, n)
+    return chi2_pvalue(first, first_exp), chi2_pvalue(counts, expected)
 
 
 N_SAMPLES = 20000

@@ -1,0 +1,78 @@
+"""The CLI end to end on a tiny model saved as a folder (the `--target FOLDER` path real users take)."""
+
+import json
+
+import pytest
+import transformers
+
+from conftest import make_llama
+from specviz.cli import main
+from specviz.load import embedded_folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama with the embedded target's tokenizer (and so its chat template)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(embedded_folder())
+    folder = tmp_path_factory.mktemp("tiny-target")
+    model = make_llama(vocab_size=len(tokenizer), num_layers=3, max_positions=512, eos=tokenizer.eos_token_id)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_generate_prints_text_and_metrics(tiny_folder, capsys):
+    code = main(["generate", "--target", tiny_folder, "--method", "skip:layers=2:num_tokens=2",
+                 "--prompt", "Say hello twice.", "--max-new-tokens", "12", "--color", "always"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "tau (tokens per target forward, bonus included)" in out and "\033[" in out
+    assert "alpha depth 1: conditional" in out
+
+
+def test_bench_writes_the_documented_fields(tiny_folder, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"Repeat after me: {c} {c} {c}."]} for i, c in enumerate(["a", "b"])]
+    questions.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "results.json"
+    code = main(["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld,hf",
+                 "--max-new-tokens", "10", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    for name in ("ar", "pld"):
+        m = result["methods"][name]
+        for key in ("tau", "tokens_per_s", "speedup", "alpha_conditional", "alpha_unconditional", "identical_to_ar", "prompts"):
+            assert key in m
+        assert set(m["latency_ms"]) == {"draft", "verify", "accept", "other"}
+        assert m["identical_to_ar"] == m["prompts"] == 2
+    assert result["methods"]["hf"]["identical_to_ar"] == 2  # our AR equals transformers' generate
+    assert result["methods"]["ar"]["tau"] == 1.0 and len(result["per_prompt"]) == 2
+
+
+def test_profile_curve(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--target", tiny_folder, "--context", "16", "--max-size", "8", "--repeats", "1", "--out", str(out)]) == 0
+    curve = json.loads(out.read_text())["curve"]
+    assert [r["tokens"] for r in curve] == [1, 2, 4, 8] and all(r["ms"] > 0 for r in curve)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "--prompt", "   "], "the prompt is empty"),
+        (["generate", "--prompt", "hi", "--method", "nope"], "unknown method"),
+        (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["generate", "--prompt", "hi", "--method", "pld:num_tokens=0"], "num_tokens"),
+        (["bench", "--questions", "/no/such/file.jsonl"], "no question file"),
+    ],
+)
+def test_bad_input_is_a_message_not_a_traceback(tiny_folder, argv, message, capsys):
+    assert main([*argv, "--target", tiny_folder]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unloadable_target_is_a_message(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["generate", "--prompt", "hi", "--target", "/no/such/model"]) == 2
+    assert "could not load model" in capsys.readouterr().err
