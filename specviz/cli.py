@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--repeats", type=int, default=7)
     pr.add_argument("--out", default=None)
 
+    rep = sub.add_parser("report", help="a results.json from bench as a Markdown table")
+    rep.add_argument("results")
+
     sub.add_parser("methods", help="list the methods and their settings")
     return parser
 
@@ -104,6 +107,8 @@ def cmd_generate(args) -> None:
           f"{m.steps} target forwards after prefill")
     print(f"tau (tokens per target forward, bonus included) = {m.tau:.2f}; mean draft tree size {m.mean_tree_size:.1f}")
     print("latency per token (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in m.latency_ms.items()))
+    rule = sampling.resolved_rule
+    print(f"acceptance rule: {rule}" + ("" if sampling.lossless else " (LOSSY: the output distribution is not the target's)"))
     print(f"extra memory: {extra_memory_pct(drafter.num_parameters(), target.num_parameters):.1f}% of target parameters")
     for depth, c, u in alpha_table(records):
         print(f"  alpha depth {depth}: conditional {c:.3f} (accepted / steps reaching depth), unconditional {u:.3f} (accepted / all steps)")
@@ -146,6 +151,32 @@ def cmd_profile(args) -> None:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
 
+def markdown_table(results: dict) -> str:
+    """τ, α, speed and equality per method, in the README's format."""
+    lines = [
+        "| method | τ | α_1..3 conditional | α_1..3 unconditional | tok/s | speedup vs ar | identical to AR | ms/token draft · verify · accept · other |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, m in results["methods"].items():
+        tau = f"{m['tau']:.2f}" if "tau" in m else "–"
+        cond = " / ".join(f"{a:.2f}" for a in m.get("alpha_conditional", [])[:3]) or "–"
+        uncond = " / ".join(f"{a:.2f}" for a in m.get("alpha_unconditional", [])[:3]) or "–"
+        lat = " · ".join(f"{v:.1f}" for v in m["latency_ms"].values()) if "latency_ms" in m else "–"
+        lines.append(f"| `{label}` | {tau} | {cond} | {uncond} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}× "
+                     f"| {m['identical_to_ar']}/{m['prompts']} | {lat} |")
+    return "\n".join(lines)
+
+
+def cmd_report(args) -> None:
+    path = Path(args.results)
+    if not path.exists():
+        raise SpecvizError(f"no results file {args.results!r}")
+    results = json.loads(path.read_text())
+    print(f"{results.get('questions', '?')}, {len(results['per_prompt'])} prompts, {results['max_new_tokens']} new tokens, "
+          f"{results['dtype']}, {results['sampling']['rule']}; {results['machine']}, {results['date']}\n")
+    print(markdown_table(results))
+
+
 def cmd_methods(_args) -> None:
     from dataclasses import fields
 
@@ -157,7 +188,9 @@ def cmd_methods(_args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "methods": cmd_methods}[args.command](args)
+        commands = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile,
+                    "report": cmd_report, "methods": cmd_methods}
+        commands[args.command](args)
     except SpecvizError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -76,3 +76,15 @@ def test_unloadable_target_is_a_message(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["generate", "--prompt", "hi", "--target", "/no/such/model"]) == 2
     assert "could not load model" in capsys.readouterr().err
+
+
+def test_report_renders_a_bench_file(tiny_folder, tmp_path, capsys):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Count: one two one two"]}))
+    out = tmp_path / "results.json"
+    assert main(["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "pld",
+                 "--max-new-tokens", "6", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| `ar` | 1.00 |" in table and "| `pld` |" in table and "1 prompts" in table
