@@ -20,7 +20,7 @@ from drafters import METHODS, build_drafter
 from .data import Question
 from .engine import Clock, StepRecord, run
 from .errors import SettingsError
-from .metrics import acceptance_by_depth, extra_memory_pct, summarize
+from .metrics import extra_memory_pct, summarize
 from .target import TargetModel
 from .tree import DraftTree
 from .verify import Sampling
@@ -226,7 +226,3 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
     return {"target": target.name, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
             "context": context, "machine": machine_description(), "date": time.strftime("%Y-%m-%d"), "curve": rows}
 
-
-def alpha_table(records: list[StepRecord]) -> list[tuple[int, float, float]]:
-    cond, uncond = acceptance_by_depth(records)
-    return [(k + 1, c, u) for k, (c, u) in enumerate(zip(cond, uncond))]

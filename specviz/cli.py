@@ -84,10 +84,10 @@ def stream_coloured(target, steps, enabled: bool, out=None) -> list:
 
 
 def cmd_generate(args) -> None:
-    from .bench import alpha_table, parse_method
+    from .bench import parse_method
     from .engine import check_request, generate
     from .load import load_target
-    from .metrics import extra_memory_pct, summarize
+    from .metrics import acceptance_by_depth, extra_memory_pct, summarize
 
     sampling = _sampling(args)
     if not args.prompt.strip():
@@ -110,7 +110,7 @@ def cmd_generate(args) -> None:
     rule = sampling.resolved_rule
     print(f"acceptance rule: {rule}" + ("" if sampling.lossless else " (LOSSY: the output distribution is not the target's)"))
     print(f"extra memory: {extra_memory_pct(drafter.num_parameters(), target.num_parameters):.1f}% of target parameters")
-    for depth, c, u in alpha_table(records):
+    for depth, (c, u) in enumerate(zip(*acceptance_by_depth(records)), start=1):
         print(f"  alpha depth {depth}: conditional {c:.3f} (accepted / steps reaching depth), unconditional {u:.3f} (accepted / all steps)")
 
 
