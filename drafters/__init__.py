@@ -6,6 +6,9 @@ from specviz.errors import SettingsError
 
 from .ar import AutoregressiveDrafter
 from .base import Commit, Drafter, DraftRequest, Settings
+from .eagle2 import Eagle2Drafter, TreeSettings
+from .fspad import FspadDrafter
+from .hass import HassDrafter
 from .pld import PromptLookupDrafter, PromptLookupSettings
 from .skip import SkipLayerDrafter, SkipSettings
 from .sps import AssistantDrafter, AssistantSettings
@@ -16,6 +19,9 @@ METHODS = {
     "pld": (PromptLookupDrafter, PromptLookupSettings),
     "skip": (SkipLayerDrafter, SkipSettings),
     "sps": (AssistantDrafter, AssistantSettings),
+    "eagle2": (Eagle2Drafter, TreeSettings),
+    "hass": (HassDrafter, TreeSettings),
+    "fspad": (FspadDrafter, TreeSettings),
 }
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m specviz {generate,bench,profile,methods}``."""
+"""Command line: ``python -m specviz {generate,bench,profile,report,train,methods}``."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", default="ar,pld", help="comma-separated; also hf, hf-pld (transformers generate)")
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--out", default="results.json")
+    b.add_argument("--update-cards", action="store_true", help="record the results in the shipped checkpoints' cards")
 
     pr = sub.add_parser("profile", help="verify-cost curve: ms per target forward vs tokens verified")
     pr.add_argument("--target", default=None)
@@ -54,6 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="a results.json from bench as a Markdown table")
     rep.add_argument("results")
+
+    t = sub.add_parser("train", help="train a drafter with the shared pipeline; writes a checkpoint + card")
+    t.add_argument("--drafter", required=True, help="a trained method: " + ", ".join(n for n, (c, _) in METHODS.items() if c.trained))
+    t.add_argument("--target", default=None)
+    t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    t.add_argument("--samples", type=int, default=1000, help="ShareGPT prompts for training")
+    t.add_argument("--epochs", type=int, default=2)
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--batch-tokens", type=int, default=4096)
+    t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0 = full)")
+    t.add_argument("--answer-tokens", type=int, default=256, help="max tokens per training answer")
+    t.add_argument("--no-self-distill", action="store_true", help="train on ShareGPT's answers, not the target's own")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", default=None, help="checkpoint folder (default: assets/drafters/NAME)")
 
     sub.add_parser("methods", help="list the methods and their settings")
     return parser
@@ -133,6 +148,11 @@ def cmd_bench(args) -> None:
     if results["interrupted"]:
         print(f"interrupted: kept the {len(results['per_prompt'])} prompts every method finished")
     print(f"wrote {args.out}")
+    if args.update_cards and not results["interrupted"]:
+        from drafters.checkpoint import record_benchmark
+
+        for folder in record_benchmark(results, args.out):
+            print(f"updated {folder / 'card.json'}")
 
 
 def cmd_profile(args) -> None:
@@ -177,6 +197,30 @@ def cmd_report(args) -> None:
     print(markdown_table(results))
 
 
+def cmd_train(args) -> None:
+    from drafters.checkpoint import default_path
+    from drafters.corpus import prepare
+    from drafters.train import TrainConfig, train
+
+    from .load import cache_dir, default_device, load_target
+
+    if args.drafter not in METHODS or not METHODS[args.drafter][0].trained:
+        trained = [n for n, (c, _) in METHODS.items() if c.trained]
+        raise SpecvizError(f"{args.drafter!r} is not a trained drafter; choose from {', '.join(trained)}")
+    if args.samples < 1:
+        raise SpecvizError("--samples must be at least 1")
+    device = args.device or default_device()
+    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
+                      seed=args.seed, device=device)
+    target = load_target(args.target, "float32", device)
+    train_set, val_set, meta = prepare(target, args.samples, not args.no_self_distill,
+                                       max_new_tokens=args.answer_tokens, cache=cache_dir() / "train")
+    out = Path(args.out) if args.out else default_path(args.drafter)
+    card = train(METHODS[args.drafter][0], target, train_set, val_set, cfg, meta, out)
+    print(f"wrote {out} ({card['parameters']['trained']:,} trained parameters, "
+          f"{card['training']['steps']} steps in {card['training']['wall_s']:.0f} s); validation {card['history'][-1]['val']}")
+
+
 def cmd_methods(_args) -> None:
     from dataclasses import fields
 
@@ -189,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile,
-                    "report": cmd_report, "methods": cmd_methods}
+                    "report": cmd_report, "methods": cmd_methods, "train": cmd_train}
         commands[args.command](args)
     except SpecvizError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -108,3 +108,21 @@ def chi2_pvalue(counts: dict, expected: dict) -> float:
         exp.append(pool_e)
     exp = [e * n / sum(exp) for e in exp]  # absorb float rounding of the exact probabilities
     return float(stats.chisquare(obs, exp).pvalue)
+
+
+def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: int = 3, seed: int = 0) -> Path:
+    """Train ``method`` for ``target`` through the real pipeline on its own greedy continuations
+    of random prompts (a few seconds), save the checkpoint in ``folder`` and return it."""
+    from drafters import METHODS
+    from drafters.corpus import extract_features, self_distill
+    from drafters.train import TrainConfig, train
+
+    vocab = target.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (int(torch.randint(3, 10, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(60)]
+    answers = self_distill(target, prompts, 24, 16)
+    data = extract_features(target, [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers)])
+    cfg = TrainConfig(epochs=epochs, batch_tokens=256, lr=3e-3, draft_vocab=max(2, vocab * 3 // 4), seed=seed)
+    train(METHODS[method][0], target, data, data, cfg, {"source": "random prompts, self-distilled"}, out=folder)
+    return folder

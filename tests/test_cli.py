@@ -49,6 +49,30 @@ def test_bench_writes_the_documented_fields(tiny_folder, tmp_path):
     assert result["methods"]["ar"]["tau"] == 1.0 and len(result["per_prompt"]) == 2
 
 
+def test_train_then_generate_with_the_checkpoint(tiny_folder, tmp_path, monkeypatch, capsys):
+    """The shared pipeline end to end on real ShareGPT prompts: self-distil, features, train, save, use."""
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))
+    ckpt = tmp_path / "eagle2"
+    code = main(["train", "--drafter", "eagle2", "--target", tiny_folder, "--samples", "6", "--epochs", "1",
+                 "--answer-tokens", "8", "--draft-vocab", "512", "--device", "cpu", "--out", str(ckpt)])
+    assert code == 0, capsys.readouterr().err
+    card = json.loads((ckpt / "card.json").read_text())
+    assert card["method"] == "eagle2" and card["data"]["train_samples"] == 6 and card["data"]["self_distilled"]
+    assert card["training"]["steps"] >= 1 and card["draft_vocab"]["size"] == 512
+    assert list((tmp_path / "cache" / "train").glob("train-*.safetensors"))  # features cached for the next method
+    code = main(["generate", "--target", tiny_folder, "--method", f"eagle2:checkpoint={ckpt}:depth=3",
+                 "--prompt", "Say hello.", "--max-new-tokens", "8", "--color", "never"])
+    assert code == 0 and "tau" in capsys.readouterr().out
+
+
+def test_train_rejects_untrained_methods_and_missing_checkpoints(tiny_folder, tmp_path, capsys):
+    assert main(["train", "--drafter", "pld", "--target", tiny_folder]) == 2
+    assert "not a trained drafter" in capsys.readouterr().err
+    assert main(["generate", "--target", tiny_folder, "--method", f"hass:checkpoint={tmp_path / 'nothing'}",
+                 "--prompt", "hi", "--max-new-tokens", "4"]) == 2
+    assert "no hass checkpoint" in capsys.readouterr().err
+
+
 def test_profile_curve(tiny_folder, tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert main(["profile", "--target", tiny_folder, "--context", "16", "--max-size", "8", "--repeats", "1", "--out", str(out)]) == 0

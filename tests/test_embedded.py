@@ -65,3 +65,24 @@ def test_sps_with_an_assistant_equals_ar(target, prompts):
         result = run(target, drafter, ids, NEW_TOKENS)
         assert any(r.accepted for r in result.records), "the assistant never had a token accepted"
         assert_same_as_ar(target, ids, result.output_ids, reference)
+
+
+# Floors for the shipped checkpoints on these prompts (greedy, 64 tokens), set below what the
+# trained drafters measured (see each card) so that a broken drafter or a wrong checkpoint fails.
+TAU_FLOORS = {"eagle2": 1.6, "hass": 1.6, "fspad": 1.6}
+
+
+@pytest.mark.parametrize("method", sorted(TAU_FLOORS))
+def test_shipped_checkpoint_beats_floor_and_equals_ar(target, method):
+    from specviz.metrics import summarize
+
+    drafter = build_drafter(method, target)  # the checkpoint in assets/drafters/<method>
+    ar = build_drafter("ar", target)
+    taus = []
+    for q in load_questions("mt-bench", limit=3):
+        ids = target.encode_chat(q.prompt)
+        reference = run(target, ar, ids, 64).output_ids
+        result = run(target, drafter, ids, 64)
+        assert_same_as_ar(target, ids, result.output_ids, reference)
+        taus.append(summarize(result.records).tau)
+    assert sum(taus) / len(taus) >= TAU_FLOORS[method], taus

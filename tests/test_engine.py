@@ -5,12 +5,14 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 import drafters
-from conftest import chi2_pvalue
+from conftest import chi2_pvalue, train_tiny_drafter
 from drafters import build_drafter
 from drafters.ar import AutoregressiveDrafter
 from drafters.base import Drafter, DraftRequest
@@ -95,11 +97,25 @@ def test_ar_logits_have_no_near_ties(target, ar_outputs, ref_logits):
     assert min(gaps) > 1e-3
 
 
+_CHECKPOINTS: dict[tuple[int, str], Path] = {}
+
+
+def trained(target, method: str, **settings):
+    """A drafter from a tiny checkpoint trained for ``target`` through the real pipeline (cached)."""
+    key = (id(target), method)
+    if key not in _CHECKPOINTS:
+        _CHECKPOINTS[key] = train_tiny_drafter(target, method, Path(tempfile.mkdtemp()) / method)
+    return build_drafter(method, target, checkpoint=str(_CHECKPOINTS[key]), **settings)
+
+
 GREEDY_BUILDERS = {
     "ar": lambda t: build_drafter("ar", t),
     "pld": lambda t: build_drafter("pld", t),
     "skip": lambda t: build_drafter("skip", t, layers=2, num_tokens=3),
     "sps": lambda t: AssistantDrafter(t, AssistantSettings(num_tokens=3), model=noisy_copy(t.model, 0.03, 1)),
+    "eagle2": lambda t: trained(t, "eagle2", depth=4, top_k=3, total_tokens=10),
+    "hass": lambda t: trained(t, "hass", depth=3, top_k=4, total_tokens=8),
+    "fspad": lambda t: trained(t, "fspad", depth=5, top_k=2, total_tokens=6),
 }
 
 
@@ -214,9 +230,9 @@ def test_random_tree_drafter_greedy(target, ar_outputs):
 
 # -- step records, EOS ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method", ["ar", "pld", "sps"])
+@pytest.mark.parametrize("method", ["ar", "pld", "sps", "eagle2"])
 def test_step_records(method, target, ar_outputs):
-    drafter = build_drafter(method, target) if method != "sps" else AssistantDrafter(
+    drafter = GREEDY_BUILDERS[method](target) if method != "sps" else AssistantDrafter(
         target, AssistantSettings(num_tokens=4), model=target.model)
     result = run(target, drafter, PROMPTS[2], NEW_TOKENS[2], stop_on_eos=False)
     records = result.records
@@ -399,6 +415,14 @@ class FixedChildrenDrafter(Drafter):
 
 def test_tree_sampling_matches_target_distribution(sampling_target, exact_distributions):
     outputs = sample_outputs(sampling_target, FixedChildrenDrafter, SAMPLING_RUNS // 2)
+    pvalues = target_pvalues(outputs, exact_distributions)
+    assert min(pvalues.values()) > 1e-3, pvalues
+
+
+def test_eagle2_tree_sampling_matches_target_distribution(sampling_target, exact_distributions):
+    """A trained dynamic-tree drafter (deterministic top-k children) under T=1 sampling."""
+    drafter = trained(sampling_target, "eagle2", depth=3, top_k=3, total_tokens=8)
+    outputs = sample_outputs(sampling_target, lambda seed: drafter, SAMPLING_RUNS // 2)
     pvalues = target_pvalues(outputs, exact_distributions)
     assert min(pvalues.values()) > 1e-3, pvalues
 

@@ -1,0 +1,102 @@
+"""Trained drafter checkpoints: ``weights.safetensors`` (bf16) plus ``card.json`` in one folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from specviz.errors import SpecvizError
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
+WEIGHTS, CARD = "weights.safetensors", "card.json"
+
+
+class CheckpointError(SpecvizError):
+    """A drafter checkpoint that is missing, unreadable or made for another target or method."""
+
+
+def default_path(method: str) -> Path:
+    return ASSETS / method
+
+
+def target_signature(target) -> dict:
+    """The target facts a checkpoint depends on."""
+    cfg = target.config
+    return {"name": target.name, "hidden_size": int(cfg.hidden_size), "vocab_size": int(target.vocab_size),
+            "num_hidden_layers": int(cfg.num_hidden_layers)}
+
+
+def save_checkpoint(folder: Path, state: dict[str, torch.Tensor], card: dict, dtype=torch.bfloat16) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in state.items()}
+    save_file(tensors, str(folder / WEIGHTS), metadata={"method": card["method"]})
+    (folder / CARD).write_text(json.dumps(card, indent=2) + "\n")
+
+
+def read_card(folder: Path) -> dict:
+    path = Path(folder) / CARD
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint card at {path}")
+    try:
+        card = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint card {path} is not valid JSON ({e})") from None
+    if not isinstance(card, dict) or not isinstance(card.get("target", {}), dict):
+        raise CheckpointError(f"checkpoint card {path} is not a card (expected an object with method and target)")
+    return card
+
+
+def update_card(folder: Path, **fields) -> None:
+    card = read_card(folder)
+    card.update(fields)
+    (Path(folder) / CARD).write_text(json.dumps(card, indent=2) + "\n")
+
+
+def load_checkpoint(folder: str | Path | None, method: str, target) -> tuple[dict[str, torch.Tensor], dict]:
+    """Weights (float32) and card for ``method``, checked against ``target``; clear errors otherwise."""
+    folder = Path(folder) if folder else default_path(method)
+    if not (folder / WEIGHTS).exists():
+        raise CheckpointError(
+            f"no {method} checkpoint at {folder}: train one with "
+            f"`python -m specviz train --drafter {method}` or pass checkpoint=FOLDER")
+    card = read_card(folder)
+    if card.get("method") != method:
+        raise CheckpointError(f"{folder} holds a {card.get('method')!r} checkpoint, not {method!r}")
+    want, have = card.get("target", {}), target_signature(target)
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if key in want and want[key] != have[key]:
+            raise CheckpointError(
+                f"{method} checkpoint {folder} was trained for a target with {key}={want[key]} "
+                f"({want.get('name', '?')}); this target ({have['name']}) has {key}={have[key]}")
+    try:
+        state = load_file(str(folder / WEIGHTS))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{method} checkpoint {folder / WEIGHTS} is unreadable (corrupt or truncated): {e}") from None
+    return {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}, card
+
+
+def record_benchmark(results: dict, source: str) -> list[Path]:
+    """Write each shipped trained method's bench figures into its card (under 'mtbench')."""
+    from specviz.bench import parse_method
+
+    touched = []
+    for label, m in results["methods"].items():
+        name, settings = parse_method(label) if ":" in label or label.isidentifier() else (label, {})
+        folder = Path(settings.get("checkpoint") or default_path(name))
+        if "tau" not in m or not (folder / CARD).exists():
+            continue
+        card = read_card(folder)
+        entry = {k: m[k] for k in ("tau", "alpha_conditional", "alpha_unconditional", "tokens_per_s", "speedup",
+                                   "identical_to_ar", "prompts") if k in m}
+        entry.update(questions=results.get("questions"), max_new_tokens=results["max_new_tokens"],
+                     dtype=results["dtype"], machine=results["machine"], date=results["date"], results_file=str(source))
+        bench = card.get("mtbench") or {}
+        bench[label] = entry
+        update_card(folder, mtbench=bench)
+        touched.append(folder)
+    return touched

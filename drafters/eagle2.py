@@ -1,0 +1,329 @@
+"""EAGLE-2: a one-layer feature drafter with a dynamic draft tree (Li et al., 2024).
+
+The network reads the target's last hidden state ("feature", taken after the final norm like
+EAGLE's released code) fused with the next token's embedding, runs one Llama decoder layer built
+from transformers' own modules, and predicts the next feature. Draft logits come from the
+target's frozen LM head restricted to a reduced draft vocabulary (the most frequent tokens of the
+training data), which keeps the per-node head cheap on CPU. HASS and FSPAD reuse this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from specviz.tree import DraftTree
+
+from .base import Commit, Drafter, DraftRequest, Settings
+from .checkpoint import CheckpointError, load_checkpoint
+from .vocab_head import FrozenTarget
+
+
+def layer_config(target_config) -> LlamaConfig:
+    """A one-layer Llama config with the target's widths, heads and rotary settings."""
+    c = target_config
+    heads = c.num_attention_heads
+    cfg = LlamaConfig(
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+        max_position_embeddings=getattr(c, "max_position_embeddings", 8192), vocab_size=1,
+        rope_parameters=getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0},
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class FeatureNet(nn.Module):
+    """fuse(feature, embedding) -> decoder layer -> (head input, next feature).
+
+    ``sampler`` swaps the plain fuse for FSPAD's Feature Sampler; ``split`` doubles the MLP
+    output so one half feeds the LM head and the other is the fed-back feature (FSPAD's PAD).
+    """
+
+    def __init__(self, config: LlamaConfig, sampler: bool = False, split: bool = False):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.sampler, self.split = sampler, split
+        self.fuse = nn.Linear(2 * h, h)
+        if sampler:
+            self.sampler_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+            self.sampler_gate = nn.Linear(h, i, bias=False)
+            self.sampler_up = nn.Linear(h, i, bias=False)
+            self.sampler_down = nn.Linear(i, h, bias=False)
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.attn = LlamaAttention(config, layer_idx=0)
+        self.post_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+        if split:
+            self.mlp.down_proj = nn.Linear(i, 2 * h, bias=False)
+
+    def forward(self, features, embeds, positions, mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.fuse(torch.cat([features, embeds], dim=-1))
+        if self.sampler:  # FSPAD: the token embedding gates a projection of the fused feature
+            x = x + self.sampler_down(F.silu(self.sampler_gate(embeds)) * self.sampler_up(self.sampler_norm(x)))
+        cos_sin = self.rotary(x, positions)
+        x = x + self.attn(x, position_embeddings=cos_sin, attention_mask=mask, past_key_values=cache)[0]
+        out = self.mlp(self.post_norm(x))
+        if self.split:
+            head_in, feature = (torch.cat([x, x], dim=-1) + out).chunk(2, dim=-1)
+            return head_in, feature
+        out = x + out
+        return out, out
+
+
+def additive_mask(allowed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """Bool [q, k] -> additive float mask [1, 1, q, k]."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed.cpu(), torch.finfo(dtype).min)[None, None]
+
+
+def aligned_mask(length: int, step: int) -> torch.Tensor:
+    """Which keys a query at position t sees in training pass ``step`` (HASS context alignment).
+
+    The keys are the passes' outputs laid side by side: pass 1 (target features) up to t-step+1,
+    then one key per later pass i at position t-step+i, as a decoder drafting step-deep would see.
+    """
+    t = torch.arange(length)[:, None]
+    s = torch.arange(length)[None, :]
+    blocks = [s <= t - step + 1] + [s == t - step + i for i in range(2, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def topk_distill_loss(target_logits: torch.Tensor, draft_logits: torch.Tensor, k: int) -> torch.Tensor:
+    """HASS Top-K distillation, per position: -sum over the target's top-k of p_target * log p_draft."""
+    p = torch.softmax(target_logits.float(), dim=-1)
+    top_p, top_i = p.topk(min(k, p.shape[-1]), dim=-1)
+    return -(top_p * torch.log_softmax(draft_logits.float(), dim=-1).gather(-1, top_i)).sum(-1)
+
+
+@dataclass
+class LossOptions:
+    """The per-method training objective (all three share the network and this loss)."""
+
+    feature_weight: float = 1.0  # SmoothL1 on the predicted feature
+    token_weight: float = 0.1  # soft cross-entropy against the target's distribution
+    passes: int = 1  # HASS harmonized context alignment passes (1 = plain EAGLE)
+    topk: int = 0  # HASS Top-K distillation K (0 = off)
+    topk_weight: float = 0.0
+    beta: float = 1.0  # weight of pass j is beta ** (j - 1)
+
+
+def aligned_passes(net: FeatureNet, inputs, embeds, passes: int):
+    """Yield (head_in, predicted feature) for HASS passes 1..passes over a whole batch.
+
+    Pass 1 reads the target's features. Pass j reads, at position t, the drafter's own pass j-1
+    prediction for feature t (detached), and attends to keys laid out by ``aligned_mask``.
+    """
+    b, t = inputs.shape[:2]
+    positions = torch.arange(t, device=inputs.device)[None].expand(b, t)
+    cache, current = DynamicCache(), inputs
+    for step in range(1, passes + 1):
+        mask = additive_mask(aligned_mask(t, step), inputs.dtype).to(inputs.device)
+        head_in, pred = net(current, embeds, positions, mask, cache)
+        yield head_in, pred
+        current = torch.cat([inputs[:, :1], pred[:, :-1].detach()], dim=1)
+
+
+def feature_loss(net: FeatureNet, frozen: FrozenTarget, tokens, feats, valid, opts: LossOptions):
+    """Loss over a batch of sequences. ``valid[b, t]``: the prediction made at t counts.
+
+    Position t reads (feature_t, token_{t+1}) and predicts feature_{t+1}, whose LM-head
+    distribution is the target's distribution for token_{t+2}.
+    """
+    inputs, goal, valid = feats[:, :-1], feats[:, 1:], valid[:, :-1]
+    t = inputs.shape[1]
+    with torch.no_grad():
+        goal_logits = frozen.logits(goal).float()
+        goal_p = torch.softmax(goal_logits, dim=-1)
+        goal_top = goal_logits.argmax(-1)
+    total, stats = 0.0, {}
+    passes = aligned_passes(net, inputs, frozen.embed(tokens[:, 1:]), opts.passes)
+    for step, (head_in, pred) in enumerate(passes, start=1):
+        ok = valid.clone()
+        if step > 1:  # the draft must have started at a valid position too
+            ok[:, step - 1:] &= valid[:, : t - step + 1]
+            ok[:, : step - 1] = False
+        w = ok.float()
+        n = w.sum().clamp_min(1)
+        logits = frozen.logits(head_in).float()
+        logp = torch.log_softmax(logits, dim=-1)
+        l_feat = (F.smooth_l1_loss(pred.float(), goal.float(), reduction="none").mean(-1) * w).sum() / n
+        l_tok = (-(goal_p * logp).sum(-1) * w).sum() / n
+        loss = opts.feature_weight * l_feat + opts.token_weight * l_tok
+        if opts.topk:
+            loss = loss + opts.topk_weight * (topk_distill_loss(goal_logits, logits, opts.topk) * w).sum() / n
+        total = total + opts.beta ** (step - 1) * loss
+        stats[f"acc{step}"] = float(((logits.argmax(-1) == goal_top).float() * w).sum() / n)
+        stats[f"loss{step}"] = float(loss.detach())
+    return total, stats
+
+
+@dataclass
+class TreeSettings(Settings):
+    """Dynamic tree: expand the top_k best nodes per depth, then keep the total_tokens best overall."""
+
+    depth: int = 4
+    top_k: int = 4
+    total_tokens: int = 12
+    checkpoint: str = ""  # folder; empty = the shipped one in assets/drafters/<method>
+    ranges = {"depth": (1, 16), "top_k": (1, 32), "total_tokens": (1, 256)}
+
+    PAPER = {"depth": 6, "top_k": 10, "total_tokens": 60}  # EAGLE-2's defaults
+
+
+class Eagle2Drafter(Drafter):
+    name = "eagle2"
+    title = "EAGLE-2: one-layer feature drafter, dynamic draft tree"
+    trained = True
+    variant = {"sampler": False, "split": False}
+    loss = LossOptions()
+
+    def __init__(self, target, settings: TreeSettings):
+        self.settings = settings
+        state, card = load_checkpoint(settings.checkpoint, self.name, target)
+        self.card = card
+        self.net, self.frozen = self.restore(target, state)
+        self.device = target.device
+        self.reset()
+
+    # -- building ---------------------------------------------------------------------------
+    @classmethod
+    def new_network(cls, target) -> FeatureNet:
+        return FeatureNet(layer_config(target.config), **cls.variant)
+
+    @classmethod
+    def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False):
+        """The method's objective; ``evaluate`` reports accuracy at depths 1-3 for every method alike."""
+        return feature_loss(net, frozen, tokens, feats, valid, LossOptions(passes=3) if evaluate else cls.loss)
+
+    @classmethod
+    def restore(cls, target, state: dict) -> tuple[FeatureNet, FrozenTarget]:
+        state = dict(state)
+        vocab_map = state.pop("vocab_map", None)
+        if vocab_map is None:
+            raise CheckpointError(f"{cls.name} checkpoint has no vocab_map tensor")
+        if int(vocab_map.max()) >= target.vocab_size:
+            raise CheckpointError(f"{cls.name} checkpoint's draft vocabulary reaches id {int(vocab_map.max())}, "
+                                  f"beyond this target's vocab of {target.vocab_size}")
+        net = cls.new_network(target)
+        try:
+            cls._load(net, state)
+        except RuntimeError as e:
+            raise CheckpointError(f"{cls.name} checkpoint does not fit this target: {' '.join(str(e).split())[:300]}") from None
+        net = net.to(device=target.device, dtype=target.dtype).eval()
+        return net, FrozenTarget(target, vocab_map)
+
+    @staticmethod
+    def _load(net: nn.Module, state: dict) -> None:
+        own = set(net.state_dict())
+        missing, unexpected = own - set(state), set(state) - own
+        if missing or unexpected:
+            raise RuntimeError(f"missing {sorted(missing)[:4]} unexpected {sorted(unexpected)[:4]}")
+        net.load_state_dict(state, strict=True)
+
+    def num_parameters(self) -> int:
+        """Trained weights plus the copied LM-head rows of the draft vocabulary."""
+        return sum(p.numel() for p in self.net.parameters()) + self.frozen.head.numel()
+
+    # -- decoding state ---------------------------------------------------------------------
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+        self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []  # (features, next tokens) not yet fed
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # outputs at the last fed position
+
+    @torch.inference_mode()
+    def observe(self, commit: Commit) -> None:
+        feats = self.frozen.norm(commit.features.to(self.device)) if self.frozen.norm else commit.features
+        nxt = torch.cat([commit.tokens[1:].cpu(), torch.tensor([commit.pending])])
+        self.queue.append((feats.to(self.net.fuse.weight.dtype), nxt.to(self.device)))
+
+    def _step(self, feats, tokens, positions, allowed) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = additive_mask(allowed, feats.dtype).to(self.device)
+        head_in, feature = self.net(feats[None], self.frozen.embed(tokens)[None], positions[None].to(self.device),
+                                    mask, self.cache)
+        return head_in[0], feature[0]
+
+    def _feed_queue(self) -> int:
+        if self.queue:
+            feats = torch.cat([f for f, _ in self.queue])
+            tokens = torch.cat([t for _, t in self.queue])
+            self.queue = []
+            past, n = self.cache.get_seq_length(), tokens.numel()
+            allowed = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+            head_in, feature = self._step(feats, tokens, torch.arange(past, past + n), allowed)
+            self.last = (head_in[-1], feature[-1])
+        return self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> DraftTree:
+        depth = min(self.settings.depth, request.max_depth)
+        accepted = self._feed_queue()
+        if depth < 1 or self.last is None:
+            return DraftTree.empty()
+        try:
+            return self._expand(accepted, depth)
+        finally:
+            drop = self.cache.get_seq_length() - accepted
+            if drop > 0:
+                self.cache.crop(-drop)
+
+    def _expand(self, accepted: int, depth: int) -> DraftTree:
+        """EAGLE-2's dynamic tree: grow the top_k best frontier nodes per depth, then rerank."""
+        k, budget = self.settings.top_k, self.settings.total_tokens
+        head_in, feature = self.last
+        logp = torch.log_softmax(self.frozen.logits(head_in[None]).float(), dim=-1)[0]
+        score, tok = logp.topk(min(k, logp.numel()))
+        scores, tokens, logps, parents, depths = [score], [tok], [score], [torch.full_like(tok, -1)], [torch.ones_like(tok)]
+        frontier = torch.arange(tok.numel())  # global node ids
+        front_feat = feature[None].expand(tok.numel(), -1)
+        fed_rows: dict[int, int] = {}  # global id -> row among the fed tree nodes
+        fed_anc = torch.zeros(0, 0, dtype=torch.bool)  # ancestor-or-self among fed nodes
+        count = tok.numel()
+        for d in range(1, depth):
+            flat_tok, flat_score = torch.cat(tokens), torch.cat(scores)
+            flat_parent = torch.cat(parents)
+            rows = []
+            for g in frontier.tolist():
+                p = int(flat_parent[g])
+                row = fed_anc[fed_rows[p]].clone() if p >= 0 else torch.zeros(fed_anc.shape[0], dtype=torch.bool)
+                rows.append(row)
+            f0, m = fed_anc.shape[0], frontier.numel()
+            new_anc = torch.zeros(f0 + m, f0 + m, dtype=torch.bool)
+            new_anc[:f0, :f0] = fed_anc
+            for i, row in enumerate(rows):
+                new_anc[f0 + i, :f0] = row
+                new_anc[f0 + i, f0 + i] = True
+            for i, g in enumerate(frontier.tolist()):
+                fed_rows[g] = f0 + i
+            fed_anc = new_anc
+            allowed = torch.cat([torch.ones(m, accepted, dtype=torch.bool), new_anc[f0:]], dim=1)
+            positions = torch.full((m,), accepted - 1 + d)
+            head_in, feats = self._step(front_feat, self.frozen.vocab_map[flat_tok[frontier]], positions, allowed)
+            logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)  # [m, V']
+            child_logp, child_tok = logp.topk(min(k, logp.shape[-1]), dim=-1)  # [m, k]
+            child_score = flat_score[frontier][:, None] + child_logp
+            n_new = child_tok.numel()
+            ids = torch.arange(count, count + n_new)
+            scores.append(child_score.reshape(-1))
+            tokens.append(child_tok.reshape(-1))
+            logps.append(child_logp.reshape(-1))
+            parents.append(frontier[:, None].expand(-1, child_tok.shape[1]).reshape(-1))
+            depths.append(torch.full((n_new,), d + 1))
+            best = child_score.reshape(-1).topk(min(k, n_new)).indices
+            frontier = ids[best]
+            front_feat = feats[best // child_tok.shape[1]]
+            count += n_new
+        flat_score, flat_depth = torch.cat(scores), torch.cat(depths)
+        key = flat_score - 1e-4 * flat_depth  # a parent always outranks its children
+        keep = key.topk(min(budget, key.numel())).indices.sort().values  # ids grow with depth
+        index = torch.full((count,), -1, dtype=torch.long)
+        index[keep] = torch.arange(1, keep.numel() + 1)
+        parent_ids = torch.cat(parents)[keep]
+        parent_input = torch.where(parent_ids < 0, torch.zeros_like(parent_ids), index[parent_ids.clamp_min(0)])
+        return DraftTree(self.frozen.vocab_map[torch.cat(tokens)[keep]].cpu(), parent_input,
+                         torch.cat(logps)[keep].cpu(), None, {"candidates": count})

@@ -1,0 +1,16 @@
+"""HASS: EAGLE-2's network trained with harmonized objective distillation and context alignment.
+
+Training differs, decoding does not: a Top-K distillation loss on the target's distribution, and
+``passes`` aligned passes in which the drafter reads its own earlier features where a decoder
+drafting that deep would (Zhang et al., 2024).
+"""
+
+from __future__ import annotations
+
+from .eagle2 import Eagle2Drafter, LossOptions
+
+
+class HassDrafter(Eagle2Drafter):
+    name = "hass"
+    title = "HASS: EAGLE-2 network + Top-K distillation + harmonized context alignment"
+    loss = LossOptions(passes=3, topk=10, topk_weight=1.0)
