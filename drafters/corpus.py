@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -183,6 +184,12 @@ def extract_features(target, seqs: list[tuple[torch.Tensor, int]], batch_tokens:
     return FeatureSet.build(seqs, feats)
 
 
+def stored_meta(path: Path) -> dict:
+    """The data card saved with a FeatureSet file."""
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads((f.metadata() or {}).get("meta", "{}"))
+
+
 def prepare(target, samples: int, self_distilled: bool = True, max_prompt_tokens: int = 256,
             max_new_tokens: int = 256, val_fraction: float = 0.02, batch_size: int = 32,
             cache: Path | None = None) -> tuple[FeatureSet, FeatureSet, dict]:
@@ -195,7 +202,7 @@ def prepare(target, samples: int, self_distilled: bool = True, max_prompt_tokens
     if cache is not None:
         paths = (cache / f"train-{key}.safetensors", cache / f"val-{key}.safetensors")
         if all(p.exists() for p in paths):
-            return FeatureSet.load(paths[0]), FeatureSet.load(paths[1]), meta
+            return FeatureSet.load(paths[0]), FeatureSet.load(paths[1]), stored_meta(paths[0])
     want_val = max(1, round(samples * val_fraction))
     train, val = [], []
     for ex in first_turns():

@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--questions", default="mt-bench", help="mt-bench, humaneval or a question.jsonl path")
     b.add_argument("--methods", default="ar,pld", help="comma-separated; also hf, hf-pld (transformers generate)")
     b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
     b.add_argument("--out", default="results.json")
     b.add_argument("--update-cards", action="store_true", help="record the results in the shipped checkpoints' cards")
 
@@ -136,7 +137,7 @@ def cmd_bench(args) -> None:
 
     sampling = _sampling(args)
     methods = [m for m in args.methods.split(",") if m.strip()]
-    questions = load_questions(args.questions, args.limit)
+    questions = load_questions(args.questions, args.limit, args.per_category)
     target = load_target(args.target, args.dtype, args.device)
     results = bench(target, methods, questions, args.max_new_tokens, sampling)
     results["questions"] = args.questions

