@@ -86,7 +86,7 @@ def record_benchmark(results: dict, source: str) -> list[Path]:
 
     touched = []
     for label, m in results["methods"].items():
-        name, settings = parse_method(label) if ":" in label or label.isidentifier() else (label, {})
+        name, settings = parse_method(label)
         folder = Path(settings.get("checkpoint") or default_path(name))
         if "tau" not in m or not (folder / CARD).exists():
             continue

@@ -176,7 +176,7 @@ def extract_features(target, seqs: list[tuple[torch.Tensor, int]], batch_tokens:
             for row, i in enumerate(batch):
                 n = seqs[i][0].numel()
                 ids[row, :n], mask[row, :n] = seqs[i][0], 1
-            model.model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+            model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
             for row, i in enumerate(batch):
                 feats[i] = captured["h"][row, : seqs[i][0].numel()].float().cpu()
     finally:

@@ -216,20 +216,17 @@ class Eagle2Drafter(Drafter):
             raise CheckpointError(f"{cls.name} checkpoint's draft vocabulary reaches id {int(vocab_map.max())}, "
                                   f"beyond this target's vocab of {target.vocab_size}")
         net = cls.new_network(target)
+        own = set(net.state_dict())
+        missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
+        if missing or unexpected:  # checked first: names the weights of another method plainly
+            raise CheckpointError(f"{cls.name} checkpoint does not fit this target: "
+                                  f"missing {missing[:4]} unexpected {unexpected[:4]}")
         try:
-            cls._load(net, state)
-        except RuntimeError as e:
+            net.load_state_dict(state)
+        except RuntimeError as e:  # a tensor of another shape
             raise CheckpointError(f"{cls.name} checkpoint does not fit this target: {' '.join(str(e).split())[:300]}") from None
         net = net.to(device=target.device, dtype=target.dtype).eval()
         return net, FrozenTarget(target, vocab_map)
-
-    @staticmethod
-    def _load(net: nn.Module, state: dict) -> None:
-        own = set(net.state_dict())
-        missing, unexpected = own - set(state), set(state) - own
-        if missing or unexpected:
-            raise RuntimeError(f"missing {sorted(missing)[:4]} unexpected {sorted(unexpected)[:4]}")
-        net.load_state_dict(state, strict=True)
 
     def num_parameters(self) -> int:
         """Trained weights plus the copied LM-head rows of the draft vocabulary."""
@@ -283,37 +280,33 @@ class Eagle2Drafter(Drafter):
         head_in, feature = self.last
         logp = torch.log_softmax(self.frozen.logits(head_in[None]).float(), dim=-1)[0]
         score, tok = logp.topk(min(k, logp.numel()))
+        # every candidate, level by level; a node's global id is its index in the concatenation
         scores, tokens, logps, parents, depths = [score], [tok], [score], [torch.full_like(tok, -1)], [torch.ones_like(tok)]
-        frontier = torch.arange(tok.numel())  # global node ids
+        frontier, front_tok, front_score = torch.arange(tok.numel()), tok, score
         front_feat = feature[None].expand(tok.numel(), -1)
-        fed_rows: dict[int, int] = {}  # global id -> row among the fed tree nodes
-        fed_anc = torch.zeros(0, 0, dtype=torch.bool)  # ancestor-or-self among fed nodes
+        front_anc = torch.zeros(tok.numel(), 0, dtype=torch.bool)  # fed ancestors (none below the root)
+        fed_anc = torch.zeros(0, 0, dtype=torch.bool)  # ancestor-or-self among the fed tree nodes
         count = tok.numel()
         for d in range(1, depth):
-            flat_tok, flat_score, flat_parent = torch.cat(tokens), torch.cat(scores), torch.cat(parents)
-            # the frontier joins the fed nodes; each sees its parent's ancestors and itself
             f0, m = fed_anc.shape[0], frontier.numel()
-            inherited = (fed_anc[[fed_rows[int(p)] for p in flat_parent[frontier]]] if f0
-                         else torch.zeros(m, 0, dtype=torch.bool))  # depth-1 nodes hang off the root
             fed_anc = torch.cat([torch.cat([fed_anc, torch.zeros(f0, m, dtype=torch.bool)], dim=1),
-                                 torch.cat([inherited, torch.eye(m, dtype=torch.bool)], dim=1)])
-            fed_rows.update({g: f0 + i for i, g in enumerate(frontier.tolist())})
+                                 torch.cat([front_anc, torch.eye(m, dtype=torch.bool)], dim=1)])
             allowed = torch.cat([torch.ones(m, accepted, dtype=torch.bool), fed_anc[f0:]], dim=1)
             positions = torch.full((m,), accepted - 1 + d)
-            head_in, feats = self._step(front_feat, self.frozen.vocab_map[flat_tok[frontier]], positions, allowed)
+            head_in, feats = self._step(front_feat, self.frozen.vocab_map[front_tok], positions, allowed)
             logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)  # [m, V']
             child_logp, child_tok = logp.topk(min(k, logp.shape[-1]), dim=-1)  # [m, k]
-            child_score = flat_score[frontier][:, None] + child_logp
-            n_new = child_tok.numel()
-            ids = torch.arange(count, count + n_new)
-            scores.append(child_score.reshape(-1))
+            child_score = (front_score[:, None] + child_logp).reshape(-1)
+            width, n_new = child_tok.shape[1], child_tok.numel()
+            scores.append(child_score)
             tokens.append(child_tok.reshape(-1))
             logps.append(child_logp.reshape(-1))
-            parents.append(frontier[:, None].expand(-1, child_tok.shape[1]).reshape(-1))
+            parents.append(frontier.repeat_interleave(width))
             depths.append(torch.full((n_new,), d + 1))
-            best = child_score.reshape(-1).topk(min(k, n_new)).indices
-            frontier = ids[best]
-            front_feat = feats[best // child_tok.shape[1]]
+            best = child_score.topk(min(k, n_new)).indices
+            parent_row = best // width  # row of each new frontier node's parent in this level
+            frontier, front_tok, front_score = count + best, tokens[-1][best], child_score[best]
+            front_feat, front_anc = feats[parent_row], fed_anc[f0 + parent_row]
             count += n_new
         flat_score, flat_depth = torch.cat(scores), torch.cat(depths)
         key = flat_score - 1e-4 * flat_depth  # a parent always outranks its children
