@@ -9,7 +9,10 @@ from .base import Commit, Drafter, DraftRequest, Settings
 from .eagle2 import Eagle2Drafter, TreeSettings
 from .fspad import FspadDrafter
 from .hass import HassDrafter
+from .medusa import MedusaDrafter, MedusaSettings
 from .pld import PromptLookupDrafter, PromptLookupSettings
+from .redrafter import RedrafterDrafter, RedrafterSettings
+from .semi_ar import SemiAttnDrafter, SemiLstmDrafter, SemiSettings
 from .skip import SkipLayerDrafter, SkipSettings
 from .sps import AssistantDrafter, AssistantSettings
 
@@ -22,6 +25,10 @@ METHODS = {
     "eagle2": (Eagle2Drafter, TreeSettings),
     "hass": (HassDrafter, TreeSettings),
     "fspad": (FspadDrafter, TreeSettings),
+    "medusa": (MedusaDrafter, MedusaSettings),
+    "redrafter": (RedrafterDrafter, RedrafterSettings),
+    "semi-attn": (SemiAttnDrafter, SemiSettings),
+    "semi-lstm": (SemiLstmDrafter, SemiSettings),
 }
 
 

@@ -80,6 +80,31 @@ def load_checkpoint(folder: str | Path | None, method: str, target) -> tuple[dic
     return {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}, card
 
 
+def restore_network(method, target, state: dict):
+    """``method.new_network(target)`` loaded from ``state``, plus the frozen head of its draft vocabulary."""
+    from .vocab_head import FrozenTarget
+
+    state = dict(state)
+    vocab_map = state.pop("vocab_map", None)
+    if vocab_map is None:
+        raise CheckpointError(f"{method.name} checkpoint has no vocab_map tensor")
+    if int(vocab_map.max()) >= target.vocab_size:
+        raise CheckpointError(f"{method.name} checkpoint's draft vocabulary reaches id {int(vocab_map.max())}, "
+                              f"beyond this target's vocab of {target.vocab_size}")
+    net = method.new_network(target)
+    own = set(net.state_dict())
+    missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
+    if missing or unexpected:  # checked first: names the weights of another method plainly
+        raise CheckpointError(f"{method.name} checkpoint does not fit this target: "
+                              f"missing {missing[:4]} unexpected {unexpected[:4]}")
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as e:  # a tensor of another shape
+        raise CheckpointError(f"{method.name} checkpoint does not fit this target: {' '.join(str(e).split())[:300]}") from None
+    net = net.to(device=target.device, dtype=target.dtype).eval()
+    return net, FrozenTarget(target, vocab_map)
+
+
 def record_benchmark(results: dict, source: str) -> list[Path]:
     """Write each shipped trained method's bench figures into its card (under 'mtbench')."""
     from specviz.bench import parse_method

@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 from specviz.tree import DraftTree
 
 from .base import Commit, Drafter, DraftRequest, Settings
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import load_checkpoint, restore_network
 from .vocab_head import FrozenTarget
 
 
@@ -208,25 +208,7 @@ class Eagle2Drafter(Drafter):
 
     @classmethod
     def restore(cls, target, state: dict) -> tuple[FeatureNet, FrozenTarget]:
-        state = dict(state)
-        vocab_map = state.pop("vocab_map", None)
-        if vocab_map is None:
-            raise CheckpointError(f"{cls.name} checkpoint has no vocab_map tensor")
-        if int(vocab_map.max()) >= target.vocab_size:
-            raise CheckpointError(f"{cls.name} checkpoint's draft vocabulary reaches id {int(vocab_map.max())}, "
-                                  f"beyond this target's vocab of {target.vocab_size}")
-        net = cls.new_network(target)
-        own = set(net.state_dict())
-        missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
-        if missing or unexpected:  # checked first: names the weights of another method plainly
-            raise CheckpointError(f"{cls.name} checkpoint does not fit this target: "
-                                  f"missing {missing[:4]} unexpected {unexpected[:4]}")
-        try:
-            net.load_state_dict(state)
-        except RuntimeError as e:  # a tensor of another shape
-            raise CheckpointError(f"{cls.name} checkpoint does not fit this target: {' '.join(str(e).split())[:300]}") from None
-        net = net.to(device=target.device, dtype=target.dtype).eval()
-        return net, FrozenTarget(target, vocab_map)
+        return restore_network(cls, target, state)
 
     def num_parameters(self) -> int:
         """Trained weights plus the copied LM-head rows of the draft vocabulary."""

@@ -103,7 +103,7 @@ def _aggregate(runs: list[PromptRun], ar_runs: list[PromptRun], questions: list[
         records = [rec for r in runs for rec in r.records]
         m = summarize(records, wall)
         out.update(tau=m.tau, latency_ms=m.latency_ms, mean_tree_size=m.mean_tree_size,
-                   alpha_conditional=m.alpha_conditional, alpha_unconditional=m.alpha_unconditional)
+                   mean_compression=m.mean_compression, alpha_conditional=m.alpha_conditional, alpha_unconditional=m.alpha_unconditional)
     if not sampling.greedy:
         out["identical_to_ar_note"] = "sampling: outputs differ from AR by design; compare distributions, not tokens"
     by_cat: dict[str, dict] = {}

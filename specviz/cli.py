@@ -121,7 +121,8 @@ def cmd_generate(args) -> None:
         print(f"legend: {GREEN}accepted draft token{RESET}  {YELLOW}target token (bonus / correction){RESET}")
     print(f"method {args.method}: {m.new_tokens} tokens in {m.wall_s:.2f} s = {m.tokens_per_s:.1f} tok/s, "
           f"{m.steps} target forwards after prefill")
-    print(f"tau (tokens per target forward, bonus included) = {m.tau:.2f}; mean draft tree size {m.mean_tree_size:.1f}")
+    print(f"tau (tokens per target forward, bonus included) = {m.tau:.2f}; mean draft tree size {m.mean_tree_size:.1f}"
+          + ("" if m.mean_compression is None else f"; beam compression {m.mean_compression:.2f}"))
     print("latency per token (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in m.latency_ms.items()))
     rule = sampling.resolved_rule
     print(f"acceptance rule: {rule}" + ("" if sampling.lossless else " (LOSSY: the output distribution is not the target's)"))
@@ -175,13 +176,13 @@ def cmd_profile(args) -> None:
 def markdown_table(results: dict) -> str:
     """τ, α, speed and equality per method, in the README's format."""
     lines = [
-        "| method | τ | α_1..3 conditional | α_1..3 unconditional | tok/s | speedup vs ar | identical to AR | ms/token draft · verify · accept · other |",
+        "| method | τ | α_1..4 conditional | α_1..4 unconditional | tok/s | speedup vs ar | identical to AR | ms/token draft · verify · accept · other |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, m in results["methods"].items():
         tau = f"{m['tau']:.2f}" if "tau" in m else "–"
-        cond = " / ".join(f"{a:.2f}" for a in m.get("alpha_conditional", [])[:3]) or "–"
-        uncond = " / ".join(f"{a:.2f}" for a in m.get("alpha_unconditional", [])[:3]) or "–"
+        cond = " / ".join(f"{a:.2f}" for a in m.get("alpha_conditional", [])[:4]) or "–"
+        uncond = " / ".join(f"{a:.2f}" for a in m.get("alpha_unconditional", [])[:4]) or "–"
         lat = " · ".join(f"{v:.1f}" for v in m["latency_ms"].values()) if "latency_ms" in m else "–"
         lines.append(f"| `{label}` | {tau} | {cond} | {uncond} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}× "
                      f"| {m['identical_to_ar']}/{m['prompts']} | {lat} |")
@@ -227,7 +228,7 @@ def cmd_methods(_args) -> None:
 
     for name, (cls, settings_cls) in METHODS.items():
         opts = ", ".join(f"{f.name}={f.default!r}" for f in fields(settings_cls))
-        print(f"{name:8} {cls.title}" + (f"  [{opts}]" if opts else ""))
+        print(f"{name:10} {cls.title}" + (f"  [{opts}]" if opts else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ class RunMetrics:
     alpha_unconditional: list[float] = field(default_factory=list)
     latency_ms: dict[str, float] = field(default_factory=dict)  # per generated token, by phase
     mean_tree_size: float = 0.0
+    mean_compression: float | None = None  # beams x length / tree nodes, for beam drafters (ReDrafter)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +48,7 @@ def summarize(records: list[StepRecord], wall_s: float | None = None) -> RunMetr
     new_tokens = sum(len(r.tokens) for r in records)
     wall = wall_s if wall_s is not None else sum(r.timings.total for r in records)
     cond, uncond = acceptance_by_depth(records)
+    ratios = [r.tree.info["compression"] for r in decode if "compression" in r.tree.info]
     per_phase = {p: sum(getattr(r.timings, p) for r in records) for p in PHASES}
     return RunMetrics(
         new_tokens=new_tokens,
@@ -58,6 +60,7 @@ def summarize(records: list[StepRecord], wall_s: float | None = None) -> RunMetr
         alpha_unconditional=uncond,
         latency_ms={p: 1000 * v / max(new_tokens, 1) for p, v in per_phase.items()},
         mean_tree_size=sum(len(r.tree) for r in decode) / len(decode) if decode else 0.0,
+        mean_compression=sum(ratios) / len(ratios) if ratios else None,
     )
 
 

@@ -116,6 +116,10 @@ GREEDY_BUILDERS = {
     "eagle2": lambda t: trained(t, "eagle2", depth=4, top_k=3, total_tokens=10),
     "hass": lambda t: trained(t, "hass", depth=3, top_k=4, total_tokens=8),
     "fspad": lambda t: trained(t, "fspad", depth=5, top_k=2, total_tokens=6),
+    "medusa": lambda t: trained(t, "medusa", heads=4, top_k=3, total_tokens=10),
+    "redrafter": lambda t: trained(t, "redrafter", width=4, length=4),
+    "semi-attn": lambda t: trained(t, "semi-attn", length=4),
+    "semi-lstm": lambda t: trained(t, "semi-lstm", width=3, length=5),
 }
 
 
@@ -419,9 +423,11 @@ def test_tree_sampling_matches_target_distribution(sampling_target, exact_distri
     assert min(pvalues.values()) > 1e-3, pvalues
 
 
-def test_eagle2_tree_sampling_matches_target_distribution(sampling_target, exact_distributions):
-    """A trained dynamic-tree drafter (deterministic top-k children) under T=1 sampling."""
-    drafter = trained(sampling_target, "eagle2", depth=3, top_k=3, total_tokens=8)
+@pytest.mark.parametrize("method, settings", [("eagle2", dict(depth=3, top_k=3, total_tokens=8)),
+                                               ("redrafter", dict(width=3, length=3))], ids=["eagle2", "redrafter"])
+def test_trained_tree_sampling_matches_target_distribution(method, settings, sampling_target, exact_distributions):
+    """Trained tree drafters (deterministic top-k / beam children) under T=1 sampling."""
+    drafter = trained(sampling_target, method, **settings)
     outputs = sample_outputs(sampling_target, lambda seed: drafter, SAMPLING_RUNS // 2)
     pvalues = target_pvalues(outputs, exact_distributions)
     assert min(pvalues.values()) > 1e-3, pvalues

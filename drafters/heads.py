@@ -1,0 +1,172 @@
+"""Drafters that read only the target's last hidden state and the pending token.
+
+Medusa, ReDrafter and semi-autoregressive drafting share this file. Each step they see x, the
+target's (final-normed) hidden state at the last committed position, and the root token the
+target just produced, and draft the tokens after the root. A small network feeds the target's
+frozen LM head over the draft vocabulary, through a learned projection. Networks follow one
+protocol, used teacher-forced in training and by beam search at decoding time:
+
+    start(x, e_root) -> state           state: a tuple of tensors, one row per beam/position
+    head(state, x, depth) -> [rows, H]  the LM-head input for the draft token at ``depth``
+    advance(state, e, depth) -> state   after the token at ``depth`` (embedding ``e``) is drafted
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specviz.errors import SettingsError
+from specviz.tree import DraftTree
+
+from .base import Commit, Drafter, DraftRequest, Settings
+from .checkpoint import load_checkpoint, restore_network
+
+DEPTH = 4  # draft tokens per position in training (K = 4 as in the semi-AR paper)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(Wx + b), zero-initialised so it starts as the identity (as in Medusa)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.linear = nn.Linear(size, size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+def teacher_forced(net: nn.Module, frozen, tokens: torch.Tensor, feats: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """LM-head inputs [B, T, H] for depths 1..depth: position t reads x_t, root t+1 and true tokens after it."""
+    b, t = tokens.shape
+    x = feats.reshape(b * t, -1)
+
+    def embed(shift: int) -> torch.Tensor:  # token t+shift at position t (zeros past the end, masked out)
+        return frozen.embed(torch.roll(tokens, -shift, dims=1)).reshape(b * t, -1).to(x.dtype)
+
+    state, outs = net.start(x, embed(1)), []
+    for d in range(1, depth + 1):
+        outs.append(net.head(state, x, d).reshape(b, t, -1))
+        if d < depth:
+            state = net.advance(state, embed(1 + d), d)
+    return outs
+
+
+def chain_loss(net, frozen, tokens, feats, valid, depth: int = DEPTH, evaluate: bool = False):
+    """Soft cross-entropy against the target's own distribution for each drafted token.
+
+    The draft at position t and depth d is token t+1+d; the target's distribution for it is its
+    LM head on feature t+d. ``valid[b, t]``: position t predicts inside the answer. With
+    ``evaluate``, also the share of positions where the target's top token is rank r of the draft.
+    """
+    t = tokens.shape[1]
+    with torch.no_grad():
+        goal_logits = frozen.logits(feats).float()
+        goal_p, goal_top = torch.softmax(goal_logits, dim=-1), goal_logits.argmax(-1)
+    total, stats = 0.0, {}
+    for d, head_in in enumerate(teacher_forced(net, frozen, tokens, feats, depth), start=1):
+        ok = valid.clone()
+        ok[:, : t - d] &= valid[:, d:]
+        ok[:, t - d:] = False
+        w = ok.float()
+        n = w.sum().clamp_min(1)
+        logits = frozen.logits(head_in).float()
+        loss = (-(goal_p.roll(-d, dims=1) * torch.log_softmax(logits, dim=-1)).sum(-1) * w).sum() / n
+        total = total + loss
+        top = goal_top.roll(-d, dims=1)
+        stats[f"acc{d}"] = float(((logits.argmax(-1) == top).float() * w).sum() / n)
+        stats[f"loss{d}"] = float(loss.detach())
+        if evaluate:
+            rank = (logits > logits.gather(-1, top[..., None])).sum(-1)
+            for r in range(8):
+                stats[f"rank{d}_{r}"] = float(((rank == r).float() * w).sum() / n)
+    return total, stats
+
+
+@torch.inference_mode()
+def beam_search(net, frozen, x: torch.Tensor, root: int, width: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``width`` best drafts of ``length`` tokens after ``root`` by total log-prob (standard beam search).
+
+    Returns beams [W, L] as target token ids and each token's draft log-prob [W, L].
+    """
+    vocab = frozen.vocab_map.numel()
+    state = net.start(x, frozen.embed(torch.tensor([root], device=x.device)).to(x.dtype))
+    rows = x
+    score = torch.zeros(1, device=x.device)
+    seqs = torch.zeros(1, 0, dtype=torch.long, device=x.device)
+    logps = torch.zeros(1, 0, device=x.device)
+    for d in range(1, length + 1):
+        logp = torch.log_softmax(frozen.logits(net.head(state, rows, d)).float(), dim=-1)  # [w, V']
+        best = (score[:, None] + logp).reshape(-1).topk(min(width, logp.numel()))
+        row, tok = best.indices // vocab, best.indices % vocab
+        seqs = torch.cat([seqs[row], tok[:, None]], dim=1)
+        logps = torch.cat([logps[row], logp[row, tok][:, None]], dim=1)
+        score = best.values
+        if d < length:
+            state = tuple(s[row] for s in state)
+            rows = x.expand(row.numel(), -1)
+            state = net.advance(state, frozen.embed(frozen.vocab_map[tok]).to(x.dtype), d)
+    return frozen.vocab_map[seqs], logps
+
+
+@dataclass
+class BeamSettings(Settings):
+    """Beam search over the drafter: ``width`` beams of ``length`` tokens, merged into one tree.
+
+    width 1 is a plain chain of ``length`` tokens.
+    """
+
+    width: int = 1
+    length: int = 4
+    checkpoint: str = ""  # folder; empty = the shipped one in assets/drafters/<method>
+    ranges = {"width": (1, 32), "length": (1, 8)}
+
+
+class HeadDrafter(Drafter):
+    """A trained network on the target's last hidden state; drafts by beam search (Medusa overrides)."""
+
+    trained = True
+    max_length = 8  # longest draft the network supports
+
+    def __init__(self, target, settings):
+        self.settings = settings
+        state, self.card = load_checkpoint(settings.checkpoint, self.name, target)
+        self.net, self.frozen = restore_network(type(self), target, state)
+        self.device = target.device
+        self.check_settings(settings)
+        self.reset()
+
+    def check_settings(self, settings) -> None:
+        if settings.length > self.max_length:
+            raise SettingsError(f"{self.name} drafts at most {self.max_length} tokens, got length={settings.length}")
+
+    @classmethod
+    def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False):
+        return chain_loss(net, frozen, tokens, feats, valid, DEPTH, evaluate)
+
+    def num_parameters(self) -> int:
+        """Trained weights plus the copied LM-head rows of the draft vocabulary."""
+        return sum(p.numel() for p in self.net.parameters()) + self.frozen.head.numel()
+
+    def reset(self) -> None:
+        self.x: torch.Tensor | None = None  # [1, H] normed hidden state at the last committed position
+        self.root: int | None = None
+
+    @torch.inference_mode()
+    def observe(self, commit: Commit) -> None:
+        last = commit.features[-1:].to(self.device)
+        self.x = (self.frozen.norm(last) if self.frozen.norm else last).to(self.frozen.head.dtype)
+        self.root = commit.pending
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> DraftTree:
+        length = min(self.settings.length, request.max_depth)
+        if length < 1 or self.x is None:
+            return DraftTree.empty()
+        beams, logps = beam_search(self.net, self.frozen, self.x, self.root, self.settings.width, length)
+        return DraftTree.from_beams(beams.cpu(), logps.cpu())

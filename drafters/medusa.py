@@ -1,0 +1,100 @@
+"""Medusa: K independent heads on the target's last hidden state (Cai et al., 2024).
+
+Head k (a ResBlock into the target's frozen LM head) predicts the token k places after the root,
+without seeing the tokens before it. Drafts form a static sparse tree: the ``total_tokens`` rank
+paths (r_1, .., r_d) with the highest estimated acceptance prod_k acc_k(r_k), the per-head rank
+accuracies measured on the checkpoint's validation set, as Medusa builds its tree choices.
+With ``top_k=1`` it is a chain. Medusa's typical acceptance (``--rule typical``) is lossy.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specviz.errors import SettingsError
+from specviz.tree import DraftTree
+
+from .base import DraftRequest, Settings
+from .heads import DEPTH, HeadDrafter, ResBlock
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden: int, heads: int = DEPTH):
+        super().__init__()
+        self.heads = nn.ModuleList(ResBlock(hidden) for _ in range(heads))
+
+    def start(self, x, e):
+        return ()
+
+    def advance(self, state, e, depth):
+        return state
+
+    def head(self, state, x, depth):
+        return self.heads[depth - 1](x)
+
+
+def tree_choices(accuracy: list[list[float]], top_k: int, total: int) -> list[tuple[int, ...]]:
+    """The ``total`` rank paths with the highest product of per-head rank accuracies, parents first."""
+    frontier = [(-accuracy[0][r], (r,)) for r in range(top_k)]
+    heapq.heapify(frontier)
+    chosen = []
+    while frontier and len(chosen) < total:
+        neg, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < len(accuracy):  # a child never beats its parent, so the set stays prefix-closed
+            for r in range(top_k):
+                heapq.heappush(frontier, (neg * accuracy[len(path)][r], path + (r,)))
+    return sorted(chosen, key=lambda p: (len(p), p))
+
+
+def rank_accuracy(card: dict, heads: int, top_k: int) -> list[list[float]]:
+    """acc[k][r]: how often head k+1's rank-r token was the target's, from the card's last validation."""
+    val = (card.get("history") or [{}])[-1].get("val", {})
+    table = []
+    for k in range(1, heads + 1):
+        row = [max(float(val.get(f"rank{k}_{r}", 0.5 ** k / (r + 1))), 1e-6) for r in range(top_k)]
+        table.append(row)
+    return table
+
+
+@dataclass
+class MedusaSettings(Settings):
+    heads: int = 3  # tree depth: how many heads draft
+    top_k: int = 2  # ranks per head the tree may use
+    total_tokens: int = 4  # tree size
+    checkpoint: str = ""
+    ranges = {"heads": (1, DEPTH), "top_k": (1, 8), "total_tokens": (1, 128)}
+
+
+class MedusaDrafter(HeadDrafter):
+    name = "medusa"
+    title = "Medusa: K independent heads, static sparse tree (typical acceptance is lossy)"
+
+    @classmethod
+    def new_network(cls, target) -> MedusaHeads:
+        return MedusaHeads(target.config.hidden_size)
+
+    def check_settings(self, settings: MedusaSettings) -> None:
+        if settings.heads > len(self.net.heads):
+            raise SettingsError(f"this medusa checkpoint has {len(self.net.heads)} heads, got heads={settings.heads}")
+        self.choices = tree_choices(rank_accuracy(self.card, settings.heads, settings.top_k),
+                                    settings.top_k, settings.total_tokens)
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> DraftTree:
+        depth = min(self.settings.heads, request.max_depth)
+        if depth < 1 or self.x is None:
+            return DraftTree.empty()
+        head_in = torch.cat([self.net.head((), self.x, d) for d in range(1, depth + 1)])
+        logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)  # [depth, V']
+        top_logp, top = logp.topk(self.settings.top_k, dim=-1)
+        choices = [c for c in self.choices if len(c) <= depth]
+        index = {c: i + 1 for i, c in enumerate(choices)}
+        tokens = torch.stack([top[len(c) - 1, c[-1]] for c in choices])
+        return DraftTree(self.frozen.vocab_map[tokens].cpu(), torch.tensor([index.get(c[:-1], 0) for c in choices]),
+                         torch.stack([top_logp[len(c) - 1, c[-1]] for c in choices]).cpu(), None,
+                         {"choices": choices})

@@ -1,0 +1,111 @@
+"""Semi-autoregressive drafting (seed 001): q(d_j | h_p, h_q(d_<j)).
+
+h_p is the target's last hidden state, computed once per step by the verify forward and reused
+for every draft token; h_q summarises the tokens drafted so far (the root first) with a tiny LM:
+
+- ``semi-attn``, the simplified transformer: h_q = sum_l a_l MLP(e(d_l)) / sum_l a_l, with one
+  learnable a_l = sigmoid(w_l) in (0, 1) per draft position and a 2-layer MLP of width H/2;
+- ``semi-lstm``: a 2-layer LSTM of width H/2 over the same embeddings.
+
+Head: f = W3 s(concat(W_p h_p, W_q h_q)) + b3, with s = SiLU here and f fed to the target's frozen
+LM head (the allowed projection deviation). Trained separately, target frozen. Drafts a chain of
+K = 4 tokens; width > 1 drafts a beam tree instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .heads import DEPTH, BeamSettings, HeadDrafter
+
+
+class SemiHead(nn.Module):
+    def __init__(self, hidden: int, context: int):
+        super().__init__()
+        self.p = nn.Linear(hidden, hidden, bias=False)  # W_p
+        self.q = nn.Linear(context, hidden, bias=False)  # W_q
+        self.out = nn.Linear(2 * hidden, hidden)  # W3, b3
+
+    def forward(self, h_p, h_q):
+        return self.out(F.silu(torch.cat([self.p(h_p), self.q(h_q)], dim=-1)))
+
+
+class FixedAttentionLM(nn.Module):
+    """The simplified transformer: a position-weighted mean of per-token MLP outputs."""
+
+    def __init__(self, hidden: int, positions: int = DEPTH):
+        super().__init__()
+        half = hidden // 2
+        self.mlp = nn.Sequential(nn.Linear(hidden, half), nn.SiLU(), nn.Linear(half, half))
+        self.alpha_logit = nn.Parameter(torch.zeros(positions))
+        self.f = SemiHead(hidden, half)
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return 1e-4 + (1 - 2e-4) * torch.sigmoid(self.alpha_logit)  # strictly inside (0, 1), even saturated
+
+    def start(self, x, e):
+        a = self.alpha[0]
+        return a * self.mlp(e), a.expand(e.shape[0], 1)
+
+    def advance(self, state, e, depth):
+        total, weight = state
+        a = self.alpha[depth]
+        return total + a * self.mlp(e), weight + a
+
+    def head(self, state, x, depth):
+        total, weight = state
+        return self.f(x, total / weight)
+
+
+class LstmLM(nn.Module):
+    """A 2-layer LSTM of width H/2 over the drafted tokens' embeddings."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        half = hidden // 2
+        self.lstm = nn.LSTM(hidden, half, num_layers=2, batch_first=True)
+        self.f = SemiHead(hidden, half)
+
+    def _run(self, e, hc=None):
+        _, (h, c) = self.lstm(e[:, None], hc)
+        return h.transpose(0, 1), c.transpose(0, 1)  # rows first, so beam search can reorder them
+
+    def start(self, x, e):
+        return self._run(e)
+
+    def advance(self, state, e, depth):
+        h, c = state
+        return self._run(e, (h.transpose(0, 1).contiguous(), c.transpose(0, 1).contiguous()))
+
+    def head(self, state, x, depth):
+        return self.f(x, state[0][:, -1])
+
+
+@dataclass
+class SemiSettings(BeamSettings):
+    width: int = 1
+    length: int = 4
+
+
+class SemiAttnDrafter(HeadDrafter):
+    name = "semi-attn"
+    title = "Semi-AR: target hidden state + fixed-attention simplified transformer, K-token chain"
+    max_length = DEPTH  # one learned weight per draft position
+
+    @classmethod
+    def new_network(cls, target) -> FixedAttentionLM:
+        return FixedAttentionLM(target.config.hidden_size)
+
+
+class SemiLstmDrafter(HeadDrafter):
+    name = "semi-lstm"
+    title = "Semi-AR: target hidden state + 2-layer LSTM, K-token chain"
+
+    @classmethod
+    def new_network(cls, target) -> LstmLM:
+        return LstmLM(target.config.hidden_size)

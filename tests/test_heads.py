@@ -1,0 +1,378 @@
+"""Hidden-state drafters (Medusa, ReDrafter, semi-AR): networks, loss alignment, beam search, trees."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from conftest import train_tiny_drafter
+from drafters import build_drafter
+from drafters.base import Commit, DraftRequest
+from drafters.checkpoint import CheckpointError
+from drafters.heads import DEPTH, beam_search, chain_loss, teacher_forced
+from drafters.medusa import MedusaHeads, tree_choices
+from drafters.redrafter import RecurrentHead
+from drafters.semi_ar import FixedAttentionLM, LstmLM
+from specviz.engine import run
+from specviz.errors import SettingsError
+from specviz.metrics import summarize
+from specviz.target import TargetModel
+from specviz.tree import DraftTree
+from specviz.verify import Sampling
+
+VOCAB, HIDDEN = 64, 64
+METHODS = ("medusa", "redrafter", "semi-attn", "semi-lstm")
+NETWORKS = {"medusa": MedusaHeads, "redrafter": RecurrentHead, "semi-attn": FixedAttentionLM, "semi-lstm": LstmLM}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target) -> TargetModel:
+    return tiny_target(VOCAB, seed=0, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(target, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("heads")
+    return {m: train_tiny_drafter(target, m, root / m, epochs=4) for m in METHODS}
+
+
+class OneHot:
+    """A stand-in for FrozenTarget: embeddings are one-hot rows, the LM head is the identity."""
+
+    def __init__(self, vocab: int):
+        self.vocab_map = torch.arange(vocab)
+        self.head = torch.eye(vocab)
+        self.norm = None
+
+    def embed(self, tokens):
+        return F.one_hot(tokens, self.vocab_map.numel()).float()
+
+    def logits(self, head_in):
+        return head_in @ self.head.T
+
+
+# -- networks --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", METHODS)
+def test_network_shapes(method):
+    net = NETWORKS[method](HIDDEN)
+    frozen = OneHot(HIDDEN)
+    tokens = torch.randint(0, HIDDEN, (3, 7))
+    feats = torch.randn(3, 7, HIDDEN)
+    outs = teacher_forced(net, frozen, tokens, feats, DEPTH)
+    assert len(outs) == DEPTH and all(o.shape == (3, 7, HIDDEN) for o in outs)
+    state = net.start(feats[0, :2], frozen.embed(tokens[0, :2]))
+    assert all(s.shape[0] == 2 for s in state)
+    assert net.head(state, feats[0, :2], 1).shape == (2, HIDDEN)
+    beams, logps = beam_search(net, frozen, feats[0, :1], 5, width=3, length=DEPTH)
+    assert beams.shape == logps.shape == (3, DEPTH) and beams.dtype == torch.long
+
+
+def test_redrafter_recurrence_by_hand():
+    torch.manual_seed(0)
+    net = RecurrentHead(4, blocks=1)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    e0, e1, e2, x = torch.randn(4, 1, 4).unbind(0)
+    U, W, b = net.U.weight, net.W.weight, net.W.bias
+    s0 = e0
+    s1 = F.silu(s0 @ U.T + e1 @ W.T + b)
+    s2 = F.silu(s1 @ U.T + e2 @ W.T + b)
+    state = net.start(x, e0)
+    assert torch.equal(state[0], s0)  # s_0 = e_0
+    state = net.advance(state, e1, 1)
+    torch.testing.assert_close(state[0], s1)
+    state = net.advance(state, e2, 2)
+    torch.testing.assert_close(state[0], s2)
+    h = torch.cat([s2, x], dim=-1)
+    block = net.blocks[0].linear
+    expected = net.out(h + F.silu(h @ block.weight.T + block.bias))  # ResBlock over [s_i, x], then projection
+    torch.testing.assert_close(net.head(state, x, 3), expected)
+
+
+def test_semi_attn_is_an_alpha_weighted_mean():
+    torch.manual_seed(0)
+    net = FixedAttentionLM(8, positions=3)
+    with torch.no_grad():
+        net.alpha_logit.copy_(torch.tensor([0.3, -1.0, 2.0]))
+    e = torch.randn(3, 1, 8)
+    x = torch.randn(1, 8)
+    state = net.start(x, e[0])
+    state = net.advance(state, e[1], 1)
+    state = net.advance(state, e[2], 2)
+    a = net.alpha
+    h_q = sum(a[l] * net.mlp(e[l]) for l in range(3)) / a.sum()
+    torch.testing.assert_close(net.head(state, x, 3), net.f(x, h_q))
+    assert net.mlp[0].out_features == 4 and net.mlp[2].out_features == 4  # width H/2
+
+
+def test_semi_attn_alpha_stays_inside_unit_interval(target, checkpoints):
+    net = FixedAttentionLM(8)
+    for value in (-1e4, 0.0, 1e4):
+        with torch.no_grad():
+            net.alpha_logit.fill_(value)
+        assert bool(((net.alpha > 0) & (net.alpha < 1)).all()), value
+    trained = build_drafter("semi-attn", target, checkpoint=str(checkpoints["semi-attn"]))
+    assert trained.net.alpha.shape == (DEPTH,)
+    assert bool(((trained.net.alpha > 0) & (trained.net.alpha < 1)).all())
+    assert not torch.equal(trained.net.alpha_logit, torch.zeros(DEPTH))  # training moved them
+
+
+def test_semi_lstm_layers():
+    net = LstmLM(16)
+    assert net.lstm.num_layers == 2 and net.lstm.hidden_size == 8
+    state = net.start(torch.randn(2, 16), torch.randn(2, 16))
+    assert state[0].shape == (2, 2, 8)  # rows, layers, H/2
+
+
+# -- the loss reads the right positions -------------------------------------------------------------
+
+class Oracle(torch.nn.Module):
+    """Head inputs that are the target's own features ``shift`` positions later (ignores its inputs)."""
+
+    def __init__(self, feats, shift: int = 0):
+        super().__init__()
+        self.feats, self.shift = feats, shift
+
+    def start(self, x, e):
+        return ()
+
+    def advance(self, state, e, depth):
+        return state
+
+    def head(self, state, x, depth):
+        return self.feats.roll(-(depth + self.shift), dims=1).reshape(x.shape)
+
+
+def test_chain_loss_targets_token_t_plus_1_plus_depth():
+    torch.manual_seed(0)
+    frozen = OneHot(HIDDEN)
+    feats = 5 * torch.randn(2, 12, HIDDEN)
+    tokens = torch.randint(0, HIDDEN, (2, 12))
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[:, -1] = False
+    _, stats = chain_loss(Oracle(feats), frozen, tokens, feats, valid, depth=3)
+    assert [stats[f"acc{d}"] for d in (1, 2, 3)] == [1.0, 1.0, 1.0]
+    _, off = chain_loss(Oracle(feats, shift=-1), frozen, tokens, feats, valid, depth=3)
+    assert max(off[f"acc{d}"] for d in (1, 2, 3)) < 0.5
+
+
+def test_teacher_forced_inputs_are_root_then_true_tokens():
+    class LastToken(Oracle):
+        def start(self, x, e):
+            return (e,)
+
+        def advance(self, state, e, depth):
+            return (e,)
+
+        def head(self, state, x, depth):
+            return state[0]
+
+    frozen = OneHot(HIDDEN)
+    tokens = torch.randint(0, HIDDEN, (2, 9))
+    outs = teacher_forced(LastToken(None), frozen, tokens, torch.zeros(2, 9, HIDDEN), 3)
+    for d, out in enumerate(outs, start=1):  # depth d at position t saw token t+d last (the root is t+1)
+        assert torch.equal(out.argmax(-1)[:, : 9 - d], tokens[:, d:])
+
+
+# -- beam search -----------------------------------------------------------------------------------
+
+class Markov(torch.nn.Module):
+    """Toy drafter: the next token's log-probs depend on the last token (and the depth)."""
+
+    def __init__(self, vocab: int, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.log_softmax(2 * torch.randn(DEPTH + 1, vocab, vocab, generator=g), dim=-1)
+
+    def start(self, x, e):
+        return (e,)
+
+    def advance(self, state, e, depth):
+        return (e,)
+
+    def head(self, state, x, depth):
+        return state[0] @ self.table[depth]  # one-hot rows pick the table row; logits are log-probs
+
+
+def brute_force(net: Markov, root: int, vocab: int, length: int) -> dict[tuple, float]:
+    scores = {}
+    for seq in itertools.product(range(vocab), repeat=length):
+        prev, total = root, 0.0
+        for d, tok in enumerate(seq, start=1):
+            total += float(net.table[d, prev, tok])
+            prev = tok
+        scores[seq] = total
+    return scores
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_beam_search_returns_the_true_top_beams(seed):
+    vocab, length = 4, 3
+    net, frozen = Markov(vocab, seed), OneHot(vocab)
+    truth = brute_force(net, 1, vocab, length)
+    best = sorted(truth, key=truth.get, reverse=True)
+    # nothing is pruned before the last depth when width >= vocab ** (length - 1): exact top-width
+    width = vocab ** (length - 1)
+    beams, logps = beam_search(net, frozen, torch.zeros(1, vocab), 1, width, length)
+    assert [tuple(b) for b in beams.tolist()] == best[:width]
+    torch.testing.assert_close(logps.sum(-1), torch.tensor([truth[b] for b in best[:width]]))
+    # width 1 is the greedy chain
+    greedy, prev = [], 1
+    for d in range(1, length + 1):
+        prev = int(net.table[d, prev].argmax())
+        greedy.append(prev)
+    chain, _ = beam_search(net, frozen, torch.zeros(1, vocab), 1, 1, length)
+    assert chain.tolist() == [greedy]
+
+
+def test_beam_search_on_independent_heads_is_exact_for_any_width():
+    class Independent(Markov):
+        def head(self, state, x, depth):
+            return self.table[depth, 0].expand(x.shape[0], -1)
+
+    vocab, length = 5, 3
+    net, frozen = Independent(vocab, 7), OneHot(vocab)
+    scores = {seq: sum(float(net.table[d + 1, 0, t]) for d, t in enumerate(seq))
+              for seq in itertools.product(range(vocab), repeat=length)}
+    best = sorted(scores, key=scores.get, reverse=True)
+    for width in (1, 2, 5, 9):
+        beams, _ = beam_search(net, frozen, torch.zeros(1, vocab), 0, width, length)
+        assert [tuple(b) for b in beams.tolist()] == best[:width]
+
+
+def test_redrafter_tree_is_its_beams_merged_and_verified_once(target, checkpoints):
+    drafter = build_drafter("redrafter", target, checkpoint=str(checkpoints["redrafter"]), width=6, length=4)
+    prompt = [3, 17, 42, 8, 5]
+    result = run(target, drafter, prompt, 20, stop_on_eos=False)
+    steps = [r for r in result.records if r.step > 0 and len(r.tree)]
+    assert steps
+    shared = 0
+    for r in steps:
+        beams = r.tree.info["beams"]
+        assert beams.shape[0] == 6 and len({tuple(b) for b in beams.tolist()}) == 6  # distinct beams
+        assert r.tree.info["compression"] == beams.numel() / len(r.tree) >= 1.0
+        shared += len(r.tree) < beams.numel()
+        for b, nodes in zip(beams, r.tree.info["beam_nodes"]):  # each beam is a root-to-node path
+            assert r.tree.input_ids(0)[nodes].tolist() == b.tolist()
+    assert shared, "no step shared a prefix: the dedup check is vacuous"
+    ratios = [r.tree.info["compression"] for r in steps]
+    assert summarize(result.records).mean_compression == pytest.approx(sum(ratios) / len(ratios))
+    # the merged tree's verify logits equal verifying one drafted beam alone
+    r = max(steps, key=lambda s: s.tree.info["compression"])
+    history = prompt + [t for rec in result.records[: r.step] for t in rec.tokens]
+    root = history[-1]
+    target.prefill(history[:-1])
+    merged, _ = target.verify(root, r.tree)
+    for beam, nodes in zip(r.tree.info["beams"], r.tree.info["beam_nodes"]):
+        target.prefill(history[:-1])
+        alone, _ = target.verify(root, DraftTree.chain(beam))
+        torch.testing.assert_close(merged[[0] + nodes.tolist()], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_width_one_is_a_chain(target, checkpoints):
+    drafter = build_drafter("semi-lstm", target, checkpoint=str(checkpoints["semi-lstm"]), length=4)
+    result = run(target, drafter, [1, 2, 3, 4], 12, stop_on_eos=False)
+    trees = [r.tree for r in result.records if len(r.tree)]
+    assert trees and all(t.is_chain and len(t) <= 4 for t in trees)
+
+
+# -- semi-AR reads h_p from the verify: one target forward per step -------------------------------
+
+@pytest.mark.parametrize("method", ["semi-attn", "semi-lstm"])
+def test_semi_ar_calls_the_target_once_per_step(method, target, checkpoints):
+    drafter = build_drafter(method, target, checkpoint=str(checkpoints[method]), length=4)
+    calls = []
+    hook = target.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        result = run(target, drafter, [9, 8, 7, 6, 5], 24, stop_on_eos=False)
+    finally:
+        hook.remove()
+    assert len(calls) == len(result.records)  # prefill + one verify per step, none from the drafter
+    assert sum(r.accepted for r in result.records) > 0
+    assert max(len(r.tree) for r in result.records) == 4
+
+
+# -- Medusa's static tree --------------------------------------------------------------------------
+
+def test_medusa_tree_choices_by_hand():
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.1], [0.4, 0.1, 0.05]]
+    chosen = tree_choices(acc, top_k=3, total=5)
+    # products: (0)=.6 (0,0)=.3 (1)=.2 (0,1)=.18 (0,0,0)=.12 ... the best five, parents first
+    assert chosen == [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+    assert tree_choices(acc, top_k=1, total=3) == [(0,), (0, 0), (0, 0, 0)]  # top_k 1: a chain
+    big = tree_choices(acc, top_k=3, total=20)
+    assert len(big) == 20 and all(c[:-1] in big for c in big if len(c) > 1)
+
+
+def observe_random_state(drafter, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    drafter.observe(Commit(torch.tensor([1, 2]), torch.randn(2, HIDDEN, generator=g), 3))
+
+
+@torch.inference_mode()
+def test_medusa_tree_takes_each_choice_from_its_heads_ranks(target, checkpoints):
+    drafter = build_drafter("medusa", target, checkpoint=str(checkpoints["medusa"]), heads=3, top_k=3, total_tokens=9)
+    observe_random_state(drafter)
+    tree = drafter.propose(DraftRequest([1, 2, 3], 10, Sampling()))
+    choices = tree.info["choices"]
+    assert len(tree) == 9 and [len(c) for c in choices] == tree.depths.tolist()
+    ranked = [drafter.frozen.logits(drafter.net.heads[d](drafter.x))[0].argsort(descending=True) for d in range(3)]
+    for node, c in enumerate(choices, start=1):
+        assert int(tree.parents[node - 1]) == (0 if len(c) == 1 else choices.index(c[:-1]) + 1)
+        assert int(tree.tokens[node - 1]) == int(drafter.frozen.vocab_map[ranked[len(c) - 1][c[-1]]])
+    short = drafter.propose(DraftRequest([1, 2, 3], 1, Sampling()))  # one token left: depth-1 nodes only
+    assert short.max_depth == 1 and len(short) == sum(len(c) == 1 for c in choices)
+
+
+# -- checkpoints and settings -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", METHODS)
+def test_checkpoint_round_trip(method, target, checkpoints):
+    folder = checkpoints[method]
+    drafter = build_drafter(method, target, checkpoint=str(folder))
+    saved = load_file(str(folder / "weights.safetensors"))
+    assert torch.equal(drafter.frozen.vocab_map, saved.pop("vocab_map").long())
+    state = drafter.net.state_dict()
+    assert set(state) == set(saved)
+    for name, value in saved.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(state[name], value.float()), name
+    card = json.loads((folder / "card.json").read_text())
+    assert card["method"] == method
+    assert card["parameters"]["trained"] == sum(p.numel() for p in drafter.net.parameters())
+    assert {f"rank1_{r}" for r in range(8)} <= set(card["history"][-1]["val"])
+    twin = build_drafter(method, target, checkpoint=str(folder))
+    a = run(target, drafter, [5, 6, 7], 16, stop_on_eos=False)
+    b = run(target, twin, [5, 6, 7], 16, stop_on_eos=False)
+    for x, y in zip(a.records, b.records):
+        assert torch.equal(x.tree.tokens, y.tree.tokens) and torch.equal(x.tree.parents, y.tree.parents)
+
+
+@pytest.mark.parametrize("method, other",
+                         [("medusa", "redrafter"), ("semi-attn", "semi-lstm"), ("redrafter", "medusa")])
+def test_checkpoint_of_another_network(method, other, target, checkpoints, tmp_path):
+    copy = shutil.copytree(checkpoints[other], tmp_path / "copy")
+    with pytest.raises(CheckpointError, match=f"holds a '{other}' checkpoint, not '{method}'"):
+        build_drafter(method, target, checkpoint=str(copy))
+    card = json.loads((copy / "card.json").read_text())
+    (copy / "card.json").write_text(json.dumps({**card, "method": method}))
+    with pytest.raises(CheckpointError, match=f"{method} checkpoint does not fit this target: missing"):
+        build_drafter(method, target, checkpoint=str(copy))
+    assert build_drafter("pld", target).name == "pld"
+
+
+def test_missing_checkpoint_and_bad_settings(target, checkpoints, tmp_path):
+    with pytest.raises(CheckpointError, match="no semi-lstm checkpoint at .*nowhere"):
+        build_drafter("semi-lstm", target, checkpoint=str(tmp_path / "nowhere"))
+    with pytest.raises(SettingsError, match="semi-attn drafts at most 4 tokens"):
+        build_drafter("semi-attn", target, checkpoint=str(checkpoints["semi-attn"]), length=5)
+    with pytest.raises(SettingsError, match="width must be in"):
+        build_drafter("redrafter", target, checkpoint=str(checkpoints["redrafter"]), width=0)
+    with pytest.raises(SettingsError, match="heads must be in"):
+        build_drafter("medusa", target, checkpoint=str(checkpoints["medusa"]), heads=9)
