@@ -132,6 +132,7 @@ class HeadDrafter(Drafter):
 
     trained = True
     max_length = 8  # longest draft the network supports
+    network: type[nn.Module]  # built as network(hidden_size)
 
     def __init__(self, target, settings):
         self.settings = settings
@@ -144,6 +145,10 @@ class HeadDrafter(Drafter):
     def check_settings(self, settings) -> None:
         if settings.length > self.max_length:
             raise SettingsError(f"{self.name} drafts at most {self.max_length} tokens, got length={settings.length}")
+
+    @classmethod
+    def new_network(cls, target) -> nn.Module:
+        return cls.network(target.config.hidden_size)
 
     @classmethod
     def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False):

@@ -78,10 +78,7 @@ class MedusaSettings(Settings):
 class MedusaDrafter(HeadDrafter):
     name = "medusa"
     title = "Medusa: K independent heads, static sparse tree (typical acceptance is lossy)"
-
-    @classmethod
-    def new_network(cls, target) -> MedusaHeads:
-        return MedusaHeads(target.config.hidden_size)
+    network = MedusaHeads
 
     def check_settings(self, settings: MedusaSettings) -> None:
         if settings.heads > len(self.net.heads):

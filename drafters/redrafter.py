@@ -49,7 +49,4 @@ class RedrafterSettings(BeamSettings):
 class RedrafterDrafter(HeadDrafter):
     name = "redrafter"
     title = "ReDrafter: recurrent draft head, beam search, dynamic tree attention"
-
-    @classmethod
-    def new_network(cls, target) -> RecurrentHead:
-        return RecurrentHead(target.config.hidden_size)
+    network = RecurrentHead

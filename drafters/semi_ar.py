@@ -100,16 +100,10 @@ class SemiAttnDrafter(HeadDrafter):
     name = "semi-attn"
     title = "Semi-AR: target hidden state + fixed-attention simplified transformer, K-token chain"
     max_length = DEPTH  # one learned weight per draft position
-
-    @classmethod
-    def new_network(cls, target) -> FixedAttentionLM:
-        return FixedAttentionLM(target.config.hidden_size)
+    network = FixedAttentionLM
 
 
 class SemiLstmDrafter(HeadDrafter):
     name = "semi-lstm"
     title = "Semi-AR: target hidden state + 2-layer LSTM, K-token chain"
-
-    @classmethod
-    def new_network(cls, target) -> LstmLM:
-        return LstmLM(target.config.hidden_size)
+    network = LstmLM
