@@ -85,6 +85,11 @@ class MedusaDrafter(HeadDrafter):
             raise SettingsError(f"this medusa checkpoint has {len(self.net.heads)} heads, got heads={settings.heads}")
         self.choices = tree_choices(rank_accuracy(self.card, settings.heads, settings.top_k),
                                     settings.top_k, settings.total_tokens)
+        # the static tree as index tensors: node i is rank rank_of[i] of head depth_of[i], under parent_of[i]
+        index = {c: i + 1 for i, c in enumerate(self.choices)}
+        self.depth_of = torch.tensor([len(c) - 1 for c in self.choices])
+        self.rank_of = torch.tensor([c[-1] for c in self.choices])
+        self.parent_of = torch.tensor([index.get(c[:-1], 0) for c in self.choices])
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> DraftTree:
@@ -94,9 +99,7 @@ class MedusaDrafter(HeadDrafter):
         head_in = torch.cat([self.net.head((), self.x, d) for d in range(1, depth + 1)])
         logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)  # [depth, V']
         top_logp, top = logp.topk(self.settings.top_k, dim=-1)
-        choices = [c for c in self.choices if len(c) <= depth]
-        index = {c: i + 1 for i, c in enumerate(choices)}
-        tokens = torch.stack([top[len(c) - 1, c[-1]] for c in choices])
-        return DraftTree(self.frozen.vocab_map[tokens].cpu(), torch.tensor([index.get(c[:-1], 0) for c in choices]),
-                         torch.stack([top_logp[len(c) - 1, c[-1]] for c in choices]).cpu(), None,
-                         {"choices": choices})
+        n = int((self.depth_of < depth).sum())  # choices are sorted by length: the shallow ones come first
+        d, r = self.depth_of[:n].to(top.device), self.rank_of[:n].to(top.device)
+        return DraftTree(self.frozen.vocab_map[top[d, r]].cpu(), self.parent_of[:n], top_logp[d, r].cpu(), None,
+                         {"choices": self.choices[:n]})

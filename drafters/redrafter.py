@@ -9,8 +9,6 @@ one tree, verified in a single forward, and records the compression ratio.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,13 +34,7 @@ class RecurrentHead(nn.Module):
         return self.out(self.blocks(torch.cat([state[0], x], dim=-1)))
 
 
-@dataclass
 class RedrafterSettings(BeamSettings):
-    """The default is the fastest on the 2-core CPU (one beam of one token); ``PAPER`` is 4 beams x 4."""
-
-    width: int = 1
-    length: int = 1
-
     PAPER = {"width": 4, "length": 4}
 
 
