@@ -128,8 +128,12 @@ def _aggregate(runs: list[PromptRun], ar_runs: list[PromptRun], questions: list[
 
 
 def bench(target: TargetModel, methods: list[str], questions: list[Question], max_new_tokens: int = 128,
-          sampling: Sampling | None = None, warmup: bool = True, progress: bool = True) -> dict:
-    """Run every method on every question (AR always included as the reference)."""
+          sampling: Sampling | None = None, warmup: bool = True, progress: bool = True,
+          on_prompt: Callable[[dict], None] | None = None) -> dict:
+    """Run every method on every question (AR always included as the reference).
+
+    ``on_prompt`` gets the results so far after each prompt (marked ``interrupted``), so a caller can
+    save them and a killed run loses at most one prompt."""
     sampling = sampling or Sampling()
     specs = [parse_method(m) for m in methods]
     labels = [m.strip() for m in methods]
@@ -150,6 +154,28 @@ def bench(target: TargetModel, methods: list[str], questions: list[Question], ma
             go(prompts[0][:64])
     results: dict[str, list[PromptRun]] = {label: [] for label in labels}
     per_prompt, interrupted = [], False
+
+    def report(interrupted: bool) -> dict:
+        done = questions[: len(per_prompt)]
+        summary = {
+            label: _aggregate(results[label][: len(done)], results["ar"][: len(done)], done, target.num_parameters,
+                              extra[label], sampling)
+            for label in labels
+        }
+        return {
+            "target": target.name,
+            "device": str(target.device),
+            "dtype": str(target.dtype).replace("torch.", ""),
+            "max_new_tokens": max_new_tokens,
+            "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "rule": sampling.resolved_rule,
+                         "lossless": sampling.lossless},
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": machine_description(),
+            "interrupted": interrupted,
+            "methods": summary,
+            "per_prompt": list(per_prompt),
+        }
+
     try:
         for q, ids in tqdm(list(zip(questions, prompts)), desc="bench", disable=not progress, unit="prompt"):
             row = {"id": q.id, "category": q.category, "prompt_tokens": len(ids), "methods": {}}
@@ -165,30 +191,13 @@ def bench(target: TargetModel, methods: list[str], questions: list[Question], ma
                     entry["accepted_per_step"] = [x.accepted for x in decode]
                 row["methods"][label] = entry
             per_prompt.append(row)
+            if on_prompt is not None and len(per_prompt) < len(questions):
+                on_prompt(report(True))
     except KeyboardInterrupt:  # keep every prompt that all methods finished
         interrupted = True
-        results = {label: runs[: len(per_prompt)] for label, runs in results.items()}
         if not per_prompt:
             raise
-    questions = questions[: len(per_prompt)]
-    target_params = target.num_parameters
-    summary = {
-        label: _aggregate(results[label], results["ar"], questions, target_params, extra[label], sampling)
-        for label in labels
-    }
-    return {
-        "target": target.name,
-        "device": str(target.device),
-        "dtype": str(target.dtype).replace("torch.", ""),
-        "max_new_tokens": max_new_tokens,
-        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "rule": sampling.resolved_rule,
-                     "lossless": sampling.lossless},
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine_description(),
-        "interrupted": interrupted,
-        "methods": summary,
-        "per_prompt": per_prompt,
-    }
+    return report(interrupted)
 
 
 def machine_description() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
     b.add_argument("--out", default="results.json")
     b.add_argument("--update-cards", action="store_true", help="record the results in the shipped checkpoints' cards")
+    b.add_argument("--watchdog", type=float, default=900, help="seconds on one prompt before printing every thread's stack")
 
     pr = sub.add_parser("profile", help="verify-cost curve: ms per target forward vs tokens verified")
     pr.add_argument("--target", default=None)
@@ -140,9 +142,25 @@ def cmd_bench(args) -> None:
     methods = [m for m in args.methods.split(",") if m.strip()]
     questions = load_questions(args.questions, args.limit, args.per_category)
     target = load_target(args.target, args.dtype, args.device)
-    results = bench(target, methods, questions, args.max_new_tokens, sampling)
-    results["questions"] = args.questions
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    out = Path(args.out)
+
+    def save(results: dict) -> None:  # after every prompt, so a killed run keeps what it finished
+        results["questions"] = args.questions
+        partial = out.with_name(out.name + ".partial")
+        partial.write_text(json.dumps(results, indent=1))
+        partial.replace(out)
+        watchdog()
+
+    def watchdog() -> None:  # a prompt stuck past --watchdog seconds prints where every thread is
+        faulthandler.dump_traceback_later(args.watchdog, repeat=True, file=sys.__stderr__)
+
+    watchdog()
+    try:
+        results = bench(target, methods, questions, args.max_new_tokens, sampling, on_prompt=save)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    save(results)
+    faulthandler.cancel_dump_traceback_later()
     print(f"{'method':28} {'tau':>6} {'tok/s':>7} {'speedup':>8} {'identical':>10}")
     for label, m in results["methods"].items():
         tau = f"{m['tau']:.2f}" if "tau" in m else "-"

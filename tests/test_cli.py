@@ -49,6 +49,30 @@ def test_bench_writes_the_documented_fields(tiny_folder, tmp_path):
     assert result["methods"]["ar"]["tau"] == 1.0 and len(result["per_prompt"]) == 2
 
 
+def test_bench_saves_each_finished_prompt_before_the_run_ends(tiny_folder, tmp_path, monkeypatch):
+    """A run killed at prompt 3 of 3 leaves a results file holding prompts 1 and 2."""
+    import specviz.bench
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(3)))
+    out = tmp_path / "results.json"
+    real_run, calls = specviz.bench.run, []
+
+    def dies_on_the_third_prompt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2 * 2 + 2:  # warm-up (2 methods), then 2 prompts x 2 methods
+            raise SystemExit("killed")
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(specviz.bench, "run", dies_on_the_third_prompt)
+    with pytest.raises(SystemExit):
+        main(["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
+              "--max-new-tokens", "6", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["interrupted"] and len(saved["per_prompt"]) == 2
+    assert saved["methods"]["pld"]["prompts"] == 2 and saved["questions"] == str(questions)
+
+
 def test_train_then_generate_with_the_checkpoint(tiny_folder, tmp_path, monkeypatch, capsys):
     """The shared pipeline end to end on real ShareGPT prompts: self-distil, features, train, save, use."""
     monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))
