@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -132,8 +132,24 @@ def bench(target: TargetModel, methods: list[str], questions: list[Question], ma
           on_prompt: Callable[[dict], None] | None = None) -> dict:
     """Run every method on every question (AR always included as the reference).
 
-    ``on_prompt`` gets the results so far after each prompt (marked ``interrupted``), so a caller can
-    save them and a killed run loses at most one prompt."""
+    ``on_prompt`` gets the results so far after each prompt but the last, so a caller can save them
+    and a killed run loses at most one prompt. Ctrl-C returns the prompts every method finished."""
+    results = None
+    try:
+        for results in bench_steps(target, methods, questions, max_new_tokens, sampling, warmup, progress):
+            if on_prompt is not None and results["interrupted"]:
+                on_prompt(results)
+    except KeyboardInterrupt:
+        if results is None:
+            raise
+    return results
+
+
+def bench_steps(target: TargetModel, methods: list[str], questions: list[Question], max_new_tokens: int = 128,
+                sampling: Sampling | None = None, warmup: bool = True, progress: bool = True) -> Iterator[dict]:
+    """Yield the results so far after every prompt; all but the last are marked ``interrupted``."""
+    if not questions:
+        raise SettingsError("no questions to run")
     sampling = sampling or Sampling()
     specs = [parse_method(m) for m in methods]
     labels = [m.strip() for m in methods]
@@ -153,7 +169,7 @@ def bench(target: TargetModel, methods: list[str], questions: list[Question], ma
         for go in runners.values():
             go(prompts[0][:64])
     results: dict[str, list[PromptRun]] = {label: [] for label in labels}
-    per_prompt, interrupted = [], False
+    per_prompt = []
 
     def report(interrupted: bool) -> dict:
         done = questions[: len(per_prompt)]
@@ -176,28 +192,21 @@ def bench(target: TargetModel, methods: list[str], questions: list[Question], ma
             "per_prompt": list(per_prompt),
         }
 
-    try:
-        for q, ids in tqdm(list(zip(questions, prompts)), desc="bench", disable=not progress, unit="prompt"):
-            row = {"id": q.id, "category": q.category, "prompt_tokens": len(ids), "methods": {}}
-            shift = len(per_prompt) % len(labels)  # rotate the order so no method always runs first
-            done = {label: runners[label](ids) for label in labels[shift:] + labels[:shift]}
-            for label in labels:
-                r = done[label]
-                results[label].append(r)
-                entry = {"new_tokens": len(r.output), "wall_s": r.wall_s, "identical_to_ar": r.output == done["ar"].output}
-                if r.records is not None:
-                    decode = [x for x in r.records if x.step > 0]
-                    entry["steps"] = len(decode)
-                    entry["accepted_per_step"] = [x.accepted for x in decode]
-                row["methods"][label] = entry
-            per_prompt.append(row)
-            if on_prompt is not None and len(per_prompt) < len(questions):
-                on_prompt(report(True))
-    except KeyboardInterrupt:  # keep every prompt that all methods finished
-        interrupted = True
-        if not per_prompt:
-            raise
-    return report(interrupted)
+    for q, ids in tqdm(list(zip(questions, prompts)), desc="bench", disable=not progress, unit="prompt"):
+        row = {"id": q.id, "category": q.category, "prompt_tokens": len(ids), "methods": {}}
+        shift = len(per_prompt) % len(labels)  # rotate the order so no method always runs first
+        done = {label: runners[label](ids) for label in labels[shift:] + labels[:shift]}
+        for label in labels:
+            r = done[label]
+            results[label].append(r)
+            entry = {"new_tokens": len(r.output), "wall_s": r.wall_s, "identical_to_ar": r.output == done["ar"].output}
+            if r.records is not None:
+                decode = [x for x in r.records if x.step > 0]
+                entry["steps"] = len(decode)
+                entry["accepted_per_step"] = [x.accepted for x in decode]
+            row["methods"][label] = entry
+        per_prompt.append(row)
+        yield report(len(per_prompt) < len(questions))
 
 
 def machine_description() -> str:
