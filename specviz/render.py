@@ -1,0 +1,132 @@
+"""What the app shows, from StepRecords: coloured token HTML and plotly figures (no Gradio here)."""
+
+from __future__ import annotations
+
+import html
+import math
+
+import plotly.graph_objects as go
+
+from .engine import StepRecord
+from .metrics import PHASES, acceptance_by_depth
+
+COLOURS = {"accepted": "#2e9e4f", "bonus": "#d98c00", "rejected": "#c0392b", "prompt": "#777777"}
+PHASE_COLOURS = {"draft": "#4c78a8", "verify": "#f58518", "accept": "#54a24b", "other": "#b0b0b0"}
+CSS = """
+.sv-tokens { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.6; }
+.sv-acc { background: #d7f0dd; border-bottom: 2px solid #2e9e4f; }
+.sv-bonus { background: #fbe7c2; border-bottom: 2px solid #d98c00; }
+.sv-rej { color: #c0392b; text-decoration: line-through; opacity: 0.7; }
+"""
+LAYOUT = dict(uirevision="specviz", height=300, margin=dict(l=50, r=20, t=40, b=40), template="plotly_white")
+
+
+def _span(kind: str, text: str, title: str) -> str:
+    return f'<span class="sv-{kind}" title="{html.escape(title, quote=True)}">{html.escape(text)}</span>'
+
+
+def _p(value) -> str:
+    return "–" if value is None else f"{float(value):.3f}"
+
+
+def step_html(record: StepRecord, decode, show_rejected: bool) -> str:
+    """One step's spans: accepted drafts, then rejected alternatives (optional), then the bonus."""
+    tree, out = record.tree, []
+    depths = tree.depths.tolist()
+    draft_p = [math.exp(x) for x in tree.logprobs.tolist()] if tree.logprobs is not None else [None] * len(tree)
+    for node, token in zip(record.path, record.tokens):
+        i = node - 1
+        title = f"step {record.step} · depth {depths[i]} · accepted draft · draft p {_p(draft_p[i])} · target p {_p(record.node_target_p[i])}"
+        out.append(_span("acc", decode([token]), title))
+    if show_rejected and len(tree):
+        last = record.path[-1] if record.path else 0
+        for i, parent in enumerate(tree.parents.tolist()):
+            if parent == last and i + 1 not in record.path:
+                title = f"step {record.step} · depth {depths[i]} · rejected draft · draft p {_p(draft_p[i])} · target p {_p(record.node_target_p[i])}"
+                out.append(_span("rej", decode([int(tree.tokens[i])]), title))
+    if len(record.tokens) > len(record.path):  # the bonus (it may be cut at the length limit)
+        kind = "correction" if len(tree) > len(record.path) else "bonus"
+        title = f"step {record.step} · depth {len(record.path) + 1} · target {kind} token · target p {_p(record.bonus_target_p)}"
+        out.append(_span("bonus", decode([record.tokens[-1]]), title))
+    return "".join(out)
+
+
+def tokens_html(records: list[StepRecord], decode, show_rejected: bool = False) -> str:
+    return '<div class="sv-tokens">' + "".join(step_html(r, decode, show_rejected) for r in records) + "</div>"
+
+
+def acceptance_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
+    fig = go.Figure()
+    for label, records in runs.items():
+        cond, uncond = acceptance_by_depth(records)
+        depth = list(range(1, len(cond) + 1))
+        fig.add_trace(go.Bar(x=depth, y=cond, name=f"{label} conditional"))
+        fig.add_trace(go.Bar(x=depth, y=uncond, name=f"{label} unconditional", opacity=0.5))
+    fig.update_layout(title="α_k per draft depth (conditional: ÷ steps reaching k; unconditional: ÷ all steps)",
+                      xaxis_title="draft depth k", yaxis_title="α_k", yaxis_range=[0, 1], barmode="group", **LAYOUT)
+    return fig
+
+
+def accepted_length_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
+    fig = go.Figure()
+    for label, records in runs.items():
+        decode = [r for r in records if r.step > 0]
+        fig.add_trace(go.Scatter(x=[r.step for r in decode], y=[len(r.tokens) for r in decode], mode="lines+markers",
+                                 name=label))
+    fig.update_layout(title="tokens per step (accepted + bonus)", xaxis_title="step", yaxis_title="tokens", **LAYOUT)
+    return fig
+
+
+def latency_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
+    labels = list(runs)
+    fig = go.Figure()
+    for phase in PHASES:
+        ms = []
+        for label in labels:
+            tokens = max(sum(len(r.tokens) for r in runs[label]), 1)
+            ms.append(1000 * sum(getattr(r.timings, phase) for r in runs[label]) / tokens)
+        fig.add_trace(go.Bar(x=labels, y=ms, name=phase, marker_color=PHASE_COLOURS[phase]))
+    fig.update_layout(title="latency per generated token (ms)", yaxis_title="ms / token", barmode="stack", **LAYOUT)
+    return fig
+
+
+def tree_figure(record: StepRecord | None, decode, label: str = "") -> go.Figure:
+    """The draft tree of one step: x = depth, y = leaf order; the accepted path in green."""
+    fig = go.Figure()
+    if record is None or not len(record.tree):
+        fig.update_layout(title=f"{label}: no draft tree at this step", **LAYOUT)
+        return fig
+    tree = record.tree
+    kids = tree.children()
+    y = [0.0] * (len(tree) + 1)
+    leaves = [0]
+
+    def place(node: int) -> float:  # leaves get consecutive rows, parents sit at their children's mean
+        if not kids[node]:
+            y[node] = leaves[0]
+            leaves[0] += 1
+        else:
+            y[node] = sum(place(c) for c in kids[node]) / len(kids[node])
+        return y[node]
+
+    place(0)
+    depth = [0] + tree.depths.tolist()
+    accepted = {0, *record.path}
+    for on_path in (False, True):
+        xs, ys = [], []
+        for i, parent in enumerate(tree.parents.tolist(), start=1):
+            if (i in accepted) == on_path:
+                xs += [depth[parent], depth[i], None]
+                ys += [y[parent], y[i], None]
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False,
+                                 line=dict(color=COLOURS["accepted"] if on_path else "#cccccc", width=3 if on_path else 1)))
+    text = ["root"] + [decode([int(t)]) for t in tree.tokens]
+    colour = [COLOURS["accepted"] if i in accepted else "#bbbbbb" for i in range(len(tree) + 1)]
+    fig.add_trace(go.Scatter(x=depth, y=y, mode="markers+text", text=text, textposition="middle right",
+                             marker=dict(color=colour, size=10), showlegend=False,
+                             hovertext=[f"node {i}" for i in range(len(tree) + 1)], hoverinfo="text"))
+    info = tree.info
+    extra = f" · {info['beams'].shape[0]} beams × {info['beams'].shape[1]} → {len(tree)} nodes (compression {info['compression']:.2f})" if "beams" in info else ""
+    fig.update_layout(title=f"{label} step {record.step}: {len(tree)} nodes, {record.accepted} accepted{extra}",
+                      xaxis_title="depth", yaxis=dict(visible=False), **{**LAYOUT, "height": 360})
+    return fig
