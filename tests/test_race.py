@@ -1,0 +1,121 @@
+"""The app's fair race and renderers: outputs as if run alone, least-time-first order, escaping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters import build_drafter
+from drafters.base import Drafter, DraftRequest
+from specviz import race as race_module
+from specviz import render
+from specviz.engine import run
+from specviz.errors import SettingsError
+from specviz.race import race
+from specviz.tree import DraftTree
+
+PROMPT = [3, 9, 4, 1, 7]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return tiny_target(48, seed=2)
+
+
+class Lagging(Drafter):
+    """Proposes nothing, but charges ``cost`` fake seconds per step to the race clock."""
+
+    def __init__(self, name, cost, clock):
+        self.name, self.cost, self.clock = name, cost, clock
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        self.clock[0] += self.cost
+        return DraftTree.empty()
+
+
+class Failing(Drafter):
+    name = "failing"
+
+    def __init__(self, after: int):
+        self.after, self.calls = after, 0
+
+    def propose(self, request):
+        self.calls += 1
+        if self.calls > self.after:
+            raise SettingsError("drafter broke")
+        return DraftTree.empty()
+
+
+def test_each_lane_matches_its_standalone_run(target):
+    drafters = {"ar": build_drafter("ar", target), "pld": build_drafter("pld", target),
+                "skip": build_drafter("skip", target, layers=1, num_tokens=3)}
+    lanes = {}
+    for lane in race(target, drafters, PROMPT, 30):
+        lanes[lane.label] = lane
+    for label, drafter in drafters.items():
+        alone = run(target, build_drafter(label, target, **({"layers": 1, "num_tokens": 3} if label == "skip" else {})),
+                    PROMPT, 30)
+        assert lanes[label].output_ids == alone.output_ids, label
+        assert [len(r.tree) for r in lanes[label].records] == [len(r.tree) for r in alone.records]
+        assert lanes[label].finished and lanes[label].error is None
+
+
+def test_the_lane_furthest_behind_always_moves(target, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(race_module.time, "perf_counter", lambda: clock[0])
+    drafters = {"slow": Lagging("slow", 3.0, clock), "fast": Lagging("fast", 1.0, clock)}
+    clocks, lanes, order = {"slow": 0.0, "fast": 0.0}, {}, []
+    for lane in race(target, drafters, PROMPT, 12):
+        others = [clocks[k] for k, x in lanes.items() if k != lane.label and not x.finished]
+        assert all(clocks[lane.label] <= c for c in others), (lane.label, clocks)
+        clocks[lane.label] = lane.clock
+        lanes[lane.label] = lane
+        order.append(lane.label)
+    assert clocks["slow"] == pytest.approx(3.0 * 10) and clocks["fast"] == pytest.approx(10.0)  # no draft on the last step
+    # while both run, the fast lane (a third of the cost per step) takes about three steps per slow one
+    both = order[: order.index("slow", 8)]
+    assert both.count("fast") >= 2 * both.count("slow")
+
+
+def test_a_failing_lane_stops_alone(target):
+    drafters = {"ar": build_drafter("ar", target), "failing": Failing(after=3)}
+    lanes = {}
+    for lane in race(target, drafters, PROMPT, 20):
+        lanes[lane.label] = lane
+    assert lanes["failing"].error == "drafter broke" and lanes["failing"].finished
+    assert len(lanes["ar"].output_ids) == 20 and lanes["ar"].error is None
+
+
+def test_race_restores_the_targets_cache(target):
+    target.prefill([1, 2, 3])
+    before = target.cache
+    for _ in race(target, {"ar": build_drafter("ar", target)}, PROMPT, 5):
+        pass
+    assert target.cache is before
+
+
+# -- rendering ------------------------------------------------------------------------------------
+
+def fake_record(step=1):
+    from specviz.engine import StepRecord
+
+    tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 0]), torch.log(torch.tensor([0.5, 0.25, 0.2])))
+    return StepRecord(step, tree, [1], [5, 9], 9, torch.tensor([0.9, 0.1, 0.05]), 0.7)
+
+
+def test_tokens_html_colours_hovers_and_escapes():
+    decode = {5: "<b>", 6: "x", 7: "y", 9: "&"}.get
+    body = render.tokens_html([fake_record()], lambda ids: decode(ids[0]), show_rejected=True)
+    assert '<span class="sv-acc" title="step 1 · depth 1 · accepted draft · draft p 0.500 · target p 0.900">&lt;b&gt;</span>' in body
+    assert 'class="sv-rej"' in body and ">x<" in body  # node 2 (child of the accepted node 1) was rejected
+    assert ">y<" not in body  # node 3 is not a child of the last accepted node
+    assert 'class="sv-bonus"' in body and "&amp;" in body and "target correction token" in body
+    assert "sv-rej" not in render.tokens_html([fake_record()], lambda ids: decode(ids[0]), show_rejected=False)
+
+
+def test_tree_figure_marks_the_accepted_path():
+    fig = render.tree_figure(fake_record(), lambda ids: str(ids[0]), "x")
+    lines_off, lines_on, nodes = fig.data
+    assert list(nodes.x) == [0, 1, 2, 1] and list(nodes.text) == ["root", "5", "6", "7"]
+    assert [c == render.COLOURS["accepted"] for c in nodes.marker.color] == [True, True, False, False]
+    assert list(lines_on.x) == [0, 1, None]
