@@ -1,0 +1,67 @@
+"""Launch app.py in a subprocess on a tiny random target (the embedded tokenizer, hidden 64)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_target_folder(folder: Path) -> Path:
+    """A 2-layer random Llama with the embedded model's tokenizer and chat template, saved once."""
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    import transformers
+
+    from specviz.load import embedded_folder
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(embedded_folder())
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                      tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningApp:
+    def __init__(self, target: Path, port: int | None = None, timeout: float = 180):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        env = {**os.environ, "GRADIO_SERVER_PORT": str(self.port), "GRADIO_ANALYTICS_ENABLED": "False",
+               "SPECVIZ_TARGET": str(target), "PYTHONPATH": str(ROOT)}
+        self.log = open(target.parent / f"app-{self.port}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"app exited early: {Path(self.log.name).read_text()[-2000:]}")
+            try:
+                urllib.request.urlopen(self.url, timeout=2)
+                return
+            except OSError:
+                time.sleep(0.5)
+        self.close()
+        raise RuntimeError("app did not start in time")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
