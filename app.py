@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import fields
 
 import gradio as gr
 
@@ -48,6 +49,37 @@ COLD_START_S = time.perf_counter() - START
 EXAMPLES = [q.prompt for q in load_questions("mt-bench", per_category=1)[:4] + load_questions("humaneval", limit=2)]
 
 
+def _setting_specs() -> list[tuple[str, str, int, int, int]]:
+    """(method, field, low, high, default) for every integer setting with a range, for the accordions."""
+    specs = []
+    for name, (_, settings_cls) in METHODS.items():
+        if name not in DRAFTERS:
+            continue
+        for f in fields(settings_cls):
+            if f.name in settings_cls.ranges and isinstance(f.default, int):
+                low, high = settings_cls.ranges[f.name]
+                if name == "skip" and f.name == "layers":
+                    high = TARGET.config.num_hidden_layers
+                specs.append((name, f.name, low, min(high, 64), f.default))
+    return specs
+
+
+SETTINGS = _setting_specs()
+_BUILT: dict[tuple, object] = {}
+
+
+def _drafter(name: str, settings: dict):
+    """The drafter for ``name`` with ``settings``; built once per distinct setting, defaults preloaded."""
+    key = (name, tuple(sorted(settings.items())))
+    if not settings:
+        return DRAFTERS[name]
+    if key not in _BUILT:
+        if len(_BUILT) > 32:
+            _BUILT.clear()
+        _BUILT[key] = build_drafter(name, TARGET, **settings)
+    return _BUILT[key]
+
+
 def _decode(ids) -> str:
     return TARGET.decode(ids)
 
@@ -61,8 +93,8 @@ def _stats(label: str, records, clock: float, ar_rate: float | None, same: bool 
 
 
 def compare(prompt: str, methods: list[str], max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-            show_rejected: bool = True):
-    """Stream the race. Yields (columns html, stats markdown, 3 figures, message)."""
+            show_rejected: bool = True, *setting_values):
+    """Stream the race. Yields (one html per method column, 3 figures, message, runs state)."""
     notes = []
     if not prompt or not prompt.strip():
         raise gr.Error("The prompt is empty: type a question or pick an example.")
@@ -78,8 +110,18 @@ def compare(prompt: str, methods: list[str], max_new_tokens: int = 128, temperat
         check_request(TARGET, ids, max_new_tokens)
     except SpecvizError as e:
         raise gr.Error(str(e)) from None
+    chosen = {}
+    for m in methods:
+        settings = {f: int(v) for (name, f, _, _, default), v in zip(SETTINGS, setting_values)
+                    if name == m and v is not None and int(v) != default}
+        try:
+            chosen[m] = _drafter(m, settings)
+        except SpecvizError as e:
+            notes.append(f"{m}: {e}")
+    if not chosen:
+        raise gr.Error("; ".join(notes))
     lanes, last_plot = {}, 0
-    for n, lane in enumerate(race(TARGET, {m: DRAFTERS[m] for m in methods}, ids, max_new_tokens, sampling)):
+    for n, lane in enumerate(race(TARGET, chosen, ids, max_new_tokens, sampling)):
         lanes[lane.label] = lane
         if n - last_plot >= PLOT_EVERY or all(x.finished for x in lanes.values()) and len(lanes) == len(methods):
             last_plot = n
@@ -152,6 +194,13 @@ with gr.Blocks(title="specviz") as demo:
             temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
             top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
             show_rejected = gr.Checkbox(value=True, label="Show rejected drafts")
+    setting_inputs = []
+    with gr.Row():
+        for method in dict.fromkeys(name for name, *_ in SETTINGS):
+            with gr.Accordion(f"{method} settings", open=False):
+                for name, field, low, high, default in SETTINGS:
+                    if name == method:
+                        setting_inputs.append(gr.Slider(low, high, value=default, step=1, label=field))
     gr.Examples(EXAMPLES, inputs=prompt, cache_examples=False)
     with gr.Row():
         run_btn = gr.Button("Run", variant="primary")
@@ -166,7 +215,7 @@ with gr.Blocks(title="specviz") as demo:
         tree_method = gr.Dropdown(list(DRAFTERS), value="eagle2" if "eagle2" in DRAFTERS else None, label="Tree of")
         tree_step = gr.Slider(1, MAX_NEW_TOKENS, value=1, step=1, label="Step")
     tree_plot = gr.Plot(label="draft tree")
-    event = run_btn.click(compare, [prompt, methods, max_new, temperature, top_p, show_rejected],
+    event = run_btn.click(compare, [prompt, methods, max_new, temperature, top_p, show_rejected, *setting_inputs],
                           [*columns, alpha_plot, length_plot, latency_plot, message, runs], api_name="race",
                           concurrency_id="engine")
     stop_btn.click(None, cancels=[event])
