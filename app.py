@@ -16,7 +16,7 @@ from dataclasses import fields
 import gradio as gr
 
 from drafters import METHODS, build_drafter
-from specviz import render
+from specviz import render, teaching
 from specviz.data import load_questions
 from specviz.engine import check_request
 from specviz.errors import SpecvizError
@@ -24,6 +24,12 @@ from specviz.load import load_target
 from specviz.metrics import summarize
 from specviz.race import race
 from specviz.verify import Sampling
+
+try:  # ZeroGPU on a Space; a no-op everywhere else
+    from spaces import GPU
+except ImportError:
+    def GPU(fn):
+        return fn
 
 MAX_NEW_TOKENS = 512
 PLOT_EVERY = 8  # steps between plot refreshes while streaming
@@ -92,6 +98,7 @@ def _stats(label: str, records, clock: float, ar_rate: float | None, same: bool 
     return f"**{label}** · {m.new_tokens} tokens · τ {m.tau:.2f} · {rate:.1f} tok/s{speed}{badge}"
 
 
+@GPU
 def compare(prompt: str, methods: list[str], max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
             show_rejected: bool = True, *setting_values):
     """Stream the race. Yields (one html per method column, 3 figures, message, runs state)."""
@@ -178,6 +185,44 @@ def compare_api(prompt: str, methods: list[str], max_new_tokens: int = 128, temp
     return result
 
 
+@GPU
+def run_benchmark(question_set: str, limit: int, methods: list[str], max_new_tokens: int,
+                  progress=gr.Progress(track_tqdm=True)):
+    """The engine's bench on a subset; a table of τ and speedup per method × category, and its CSV."""
+    import tempfile
+
+    import pandas as pd
+
+    from specviz.bench import bench
+
+    methods = [m for m in (methods or []) if m in DRAFTERS]
+    if not methods:
+        raise gr.Error("Pick at least one available method.")
+    questions = load_questions(question_set, limit=max(1, min(int(limit), 80)))
+    result = bench(TARGET, methods, questions, max_new_tokens=max(1, min(int(max_new_tokens), MAX_NEW_TOKENS)))
+    rows = []
+    for label, m in result["methods"].items():
+        row = {"method": label, "τ": round(m.get("tau", 1.0), 2), "speedup": round(m["speedup"], 2),
+               "tok/s": round(m["tokens_per_s"], 1), "identical to AR": f"{m['identical_to_ar']}/{m['prompts']}"}
+        for cat, c in sorted(m["by_category"].items()):
+            row[f"{cat} τ"] = None if c["tau"] is None else round(c["tau"], 2)
+            row[f"{cat} ×"] = round(c["speedup"], 2)
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    path = os.path.join(tempfile.mkdtemp(), f"specviz-{question_set}-{len(questions)}q.csv")
+    table.to_csv(path, index=False)
+    return table, path
+
+
+def learn_text() -> str:
+    parts = ["Papers and code: " + " · ".join(f"[{k}]({v})" if v else k for k, v in teaching.PAPERS.items())]
+    for name, drafter in DRAFTERS.items():
+        params = drafter.num_parameters()
+        parts.append(teaching.note(name, drafter.title, params, 100 * params / TARGET.num_parameters))
+    parts += [f"### {k}\nunavailable: {v}" for k, v in UNAVAILABLE.items()]
+    return "\n\n".join(parts)
+
+
 with gr.Blocks(title="specviz") as demo:
     gr.Markdown("# specviz: speculative decoding, side by side\n"
                 f"Target **{TARGET.name}** on {TARGET.device}; loaded in {COLD_START_S:.1f} s. "
@@ -185,42 +230,57 @@ with gr.Blocks(title="specviz") as demo:
                 "red, struck through: rejected drafts.")
     if UNAVAILABLE:
         gr.Markdown("Unavailable: " + "; ".join(f"**{k}** ({v})" for k, v in UNAVAILABLE.items()))
-    with gr.Row():
-        prompt = gr.Textbox(label="Prompt", lines=4, scale=3)
-        with gr.Column(scale=1):
-            methods = gr.Dropdown(list(DRAFTERS), value=[m for m in ("ar", "pld", "eagle2") if m in DRAFTERS],
-                                  multiselect=True, label="Methods")
-            max_new = gr.Slider(1, MAX_NEW_TOKENS, value=128, step=1, label="Max new tokens")
-            temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
-            top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
-            show_rejected = gr.Checkbox(value=True, label="Show rejected drafts")
-    setting_inputs = []
-    with gr.Row():
-        for method in dict.fromkeys(name for name, *_ in SETTINGS):
-            with gr.Accordion(f"{method} settings", open=False):
-                for name, field, low, high, default in SETTINGS:
-                    if name == method:
-                        setting_inputs.append(gr.Slider(low, high, value=default, step=1, label=field))
-    gr.Examples(EXAMPLES, inputs=prompt, cache_examples=False)
-    with gr.Row():
-        run_btn = gr.Button("Run", variant="primary")
-        stop_btn = gr.Button("Stop")
-    message = gr.Markdown()
-    with gr.Row(equal_height=False):
-        columns = [gr.HTML(visible=False, elem_id=f"col-{m}") for m in METHODS]
-    with gr.Row():
-        alpha_plot, length_plot, latency_plot = gr.Plot(label="α_k"), gr.Plot(label="tokens per step"), gr.Plot(label="latency")
-    runs = gr.State({})
-    with gr.Row():
-        tree_method = gr.Dropdown(list(DRAFTERS), value="eagle2" if "eagle2" in DRAFTERS else None, label="Tree of")
-        tree_step = gr.Slider(1, MAX_NEW_TOKENS, value=1, step=1, label="Step")
-    tree_plot = gr.Plot(label="draft tree")
-    event = run_btn.click(compare, [prompt, methods, max_new, temperature, top_p, show_rejected, *setting_inputs],
-                          [*columns, alpha_plot, length_plot, latency_plot, message, runs], api_name="race",
-                          concurrency_id="engine")
-    stop_btn.click(None, cancels=[event])
-    for trigger in (tree_method.change, tree_step.change, runs.change):
-        trigger(tree_view, [runs, tree_method, tree_step], tree_plot, api_visibility="private")
+    with gr.Tab("Race"):
+        with gr.Row():
+            prompt = gr.Textbox(label="Prompt", lines=4, scale=3)
+            with gr.Column(scale=1):
+                methods = gr.Dropdown(list(DRAFTERS), value=[m for m in ("ar", "pld", "eagle2") if m in DRAFTERS],
+                                      multiselect=True, label="Methods")
+                max_new = gr.Slider(1, MAX_NEW_TOKENS, value=128, step=1, label="Max new tokens")
+                temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
+                top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
+                show_rejected = gr.Checkbox(value=True, label="Show rejected drafts")
+        setting_inputs = []
+        with gr.Row():
+            for method in dict.fromkeys(name for name, *_ in SETTINGS):
+                with gr.Accordion(f"{method} settings", open=False):
+                    for name, field, low, high, default in SETTINGS:
+                        if name == method:
+                            setting_inputs.append(gr.Slider(low, high, value=default, step=1, label=field))
+        gr.Examples(EXAMPLES, inputs=prompt, cache_examples=False)
+        with gr.Row():
+            run_btn = gr.Button("Run", variant="primary")
+            stop_btn = gr.Button("Stop")
+        message = gr.Markdown()
+        with gr.Row(equal_height=False):
+            columns = [gr.HTML(visible=False, elem_id=f"col-{m}") for m in METHODS]
+        with gr.Row():
+            alpha_plot, length_plot, latency_plot = gr.Plot(label="α_k"), gr.Plot(label="tokens per step"), gr.Plot(label="latency")
+        runs = gr.State({})
+        with gr.Row():
+            tree_method = gr.Dropdown(list(DRAFTERS), value="eagle2" if "eagle2" in DRAFTERS else None, label="Tree of")
+            tree_step = gr.Slider(1, MAX_NEW_TOKENS, value=1, step=1, label="Step")
+        tree_plot = gr.Plot(label="draft tree")
+        event = run_btn.click(compare, [prompt, methods, max_new, temperature, top_p, show_rejected, *setting_inputs],
+                              [*columns, alpha_plot, length_plot, latency_plot, message, runs], api_name="race",
+                              concurrency_id="engine")
+        stop_btn.click(None, cancels=[event])
+        for trigger in (tree_method.change, tree_step.change, runs.change):
+            trigger(tree_view, [runs, tree_method, tree_step], tree_plot, api_visibility="private")
+    with gr.Tab("Benchmark"):
+        with gr.Row():
+            bench_set = gr.Dropdown(["mt-bench", "humaneval"], value="mt-bench", label="Questions")
+            bench_limit = gr.Slider(1, 80, value=8, step=1, label="Questions (first N)")
+            bench_tokens = gr.Slider(16, MAX_NEW_TOKENS, value=128, step=16, label="Max new tokens")
+        bench_methods = gr.Dropdown(list(DRAFTERS), value=[m for m in ("ar", "pld") if m in DRAFTERS],
+                                    multiselect=True, label="Methods")
+        bench_btn = gr.Button("Run benchmark")
+        bench_table = gr.Dataframe(label="τ and speedup vs AR, per method and category")
+        bench_csv = gr.File(label="CSV")
+        bench_btn.click(run_benchmark, [bench_set, bench_limit, bench_methods, bench_tokens], [bench_table, bench_csv],
+                        concurrency_id="engine", api_name="benchmark")
+    with gr.Tab("Learn"):
+        gr.Markdown(learn_text())
     api = gr.Button(visible=False)
     api.click(compare_api, [prompt, methods, max_new, temperature, top_p], gr.JSON(visible=False), api_name="compare",
               concurrency_id="engine")
