@@ -6,13 +6,20 @@ import html
 import math
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from .engine import StepRecord
 from .metrics import PHASES, acceptance_by_depth
 
 COLOURS = {"accepted": "#2e9e4f", "bonus": "#d98c00", "rejected": "#c0392b", "prompt": "#777777"}
 PHASE_COLOURS = {"draft": "#4c78a8", "verify": "#f58518", "accept": "#54a24b", "other": "#b0b0b0"}
+LEGEND = ('<span class="sv-acc">accepted draft</span> · <span class="sv-bonus">the target\'s own token (bonus or '
+          'correction)</span> · <span class="sv-rej">rejected draft</span>. Hover a token for its step, depth and '
+          'probabilities.')
 CSS = """
+.sv-column { min-width: 260px; }
+.sv-head { font-size: 0.9em; margin-bottom: 4px; }
+.sv-same { color: #2e7d32; } .sv-differs, .sv-error { color: #c0392b; }
 .sv-tokens { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.6; }
 .sv-acc { background: #d7f0dd; border-bottom: 2px solid #2e9e4f; }
 .sv-bonus { background: #fbe7c2; border-bottom: 2px solid #d98c00; }
@@ -21,8 +28,13 @@ CSS = """
 LAYOUT = dict(uirevision="specviz", height=300, margin=dict(l=50, r=20, t=40, b=40), template="plotly_white")
 
 
+def escape(text: str) -> str:
+    return html.escape(text, quote=True)
+
+
 def _span(kind: str, text: str, title: str) -> str:
-    return f'<span class="sv-{kind}" title="{html.escape(title, quote=True)}">{html.escape(text)}</span>'
+    shown = html.escape(text).replace("\n", "↵\n") or "∅"  # newlines and empty tokens stay visible
+    return f'<span class="sv-{kind}" title="{html.escape(title, quote=True)}">{shown}</span>'
 
 
 def _p(value) -> str:
@@ -62,7 +74,8 @@ def acceptance_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
         depth = list(range(1, len(cond) + 1))
         fig.add_trace(go.Bar(x=depth, y=cond, name=f"{label} conditional"))
         fig.add_trace(go.Bar(x=depth, y=uncond, name=f"{label} unconditional", opacity=0.5))
-    fig.update_layout(title="α_k per draft depth (conditional: ÷ steps reaching k; unconditional: ÷ all steps)",
+    fig.update_layout(title="α_k per draft depth<br><sup>conditional: ÷ steps whose draft reached k · "
+                      "unconditional: ÷ all steps</sup>",
                       xaxis_title="draft depth k", yaxis_title="α_k", yaxis_range=[0, 1], barmode="group", **LAYOUT)
     return fig
 
@@ -91,12 +104,35 @@ def latency_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
 
 
 def tree_figure(record: StepRecord | None, decode, label: str = "") -> go.Figure:
-    """The draft tree of one step: x = depth, y = leaf order; the accepted path in green."""
-    fig = go.Figure()
+    """One step's draft tree: x = depth, y = leaf order, the accepted path in green, the rest dimmed.
+
+    For beam drafters (ReDrafter) a left panel shows the beams before their shared prefixes merged."""
     if record is None or not len(record.tree):
+        fig = go.Figure()
         fig.update_layout(title=f"{label}: no draft tree at this step", **LAYOUT)
         return fig
-    tree = record.tree
+    tree, info = record.tree, record.tree.info
+    accepted = {0, *record.path}
+    beams = "beams" in info
+    fig = make_subplots(1, 2, column_widths=[0.4, 0.6], horizontal_spacing=0.08,
+                        subplot_titles=("beams before dedup", "tree after dedup")) if beams else go.Figure()
+    where = dict(row=1, col=2) if beams else {}
+    for trace in _tree_traces(tree, accepted, decode):
+        fig.add_trace(trace, **where)
+    if beams:
+        for trace in _beam_traces(info["beams"], info["beam_nodes"], accepted, decode):
+            fig.add_trace(trace, row=1, col=1)
+        fig.update_yaxes(visible=False, autorange="reversed", row=1, col=1)
+    fig.update_yaxes(visible=False)
+    extra = (f" · {info['beams'].shape[0]} beams × {info['beams'].shape[1]} → {len(tree)} nodes "
+             f"(compression {info['compression']:.2f})") if beams else ""
+    fig.update_layout(title=f"{label} step {record.step}: {len(tree)} nodes, {record.accepted} accepted{extra}",
+                      **{**LAYOUT, "height": 380})
+    fig.update_xaxes(title_text="depth")
+    return fig
+
+
+def _tree_traces(tree, accepted: set[int], decode) -> list[go.Scatter]:
     kids = tree.children()
     y = [0.0] * (len(tree) + 1)
     leaves = [0]
@@ -111,22 +147,35 @@ def tree_figure(record: StepRecord | None, decode, label: str = "") -> go.Figure
 
     place(0)
     depth = [0] + tree.depths.tolist()
-    accepted = {0, *record.path}
+    traces = []
     for on_path in (False, True):
         xs, ys = [], []
         for i, parent in enumerate(tree.parents.tolist(), start=1):
             if (i in accepted) == on_path:
                 xs += [depth[parent], depth[i], None]
                 ys += [y[parent], y[i], None]
-        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False,
+        traces.append(go.Scatter(x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False,
                                  line=dict(color=COLOURS["accepted"] if on_path else "#cccccc", width=3 if on_path else 1)))
     text = ["root"] + [decode([int(t)]) for t in tree.tokens]
     colour = [COLOURS["accepted"] if i in accepted else "#bbbbbb" for i in range(len(tree) + 1)]
-    fig.add_trace(go.Scatter(x=depth, y=y, mode="markers+text", text=text, textposition="middle right",
+    traces.append(go.Scatter(x=depth, y=y, mode="markers+text", text=text, textposition="middle right",
                              marker=dict(color=colour, size=10), showlegend=False,
-                             hovertext=[f"node {i}" for i in range(len(tree) + 1)], hoverinfo="text"))
-    info = tree.info
-    extra = f" · {info['beams'].shape[0]} beams × {info['beams'].shape[1]} → {len(tree)} nodes (compression {info['compression']:.2f})" if "beams" in info else ""
-    fig.update_layout(title=f"{label} step {record.step}: {len(tree)} nodes, {record.accepted} accepted{extra}",
-                      xaxis_title="depth", yaxis=dict(visible=False), **{**LAYOUT, "height": 360})
-    return fig
+                             hovertext=[f"node {i} · depth {d}" for i, d in enumerate(depth)], hoverinfo="text"))
+    return traces
+
+
+def _beam_traces(beams, beam_nodes, accepted: set[int], decode) -> list[go.Scatter]:
+    """Each beam a row of its tokens; a token whose merged node was accepted is green."""
+    width, length = beams.shape
+    xs, ys, text, colour = [], [], [], []
+    for w in range(width):
+        for d in range(length):
+            xs.append(d + 1)
+            ys.append(w)
+            text.append(decode([int(beams[w, d])]))
+            colour.append(COLOURS["accepted"] if int(beam_nodes[w, d]) in accepted else "#bbbbbb")
+    rows = dict(x=[v for w in range(width) for v in (1, length, None)], y=[v for w in range(width) for v in (w, w, None)])
+    return [go.Scatter(**rows, mode="lines", line=dict(color="#dddddd", width=1), hoverinfo="skip", showlegend=False),
+            go.Scatter(x=xs, y=ys, mode="markers+text", text=text, textposition="top center", showlegend=False,
+                       marker=dict(color=colour, size=9), hovertext=[f"beam {y} · depth {x}" for x, y in zip(xs, ys)],
+                       hoverinfo="text")]

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
-# Code links are the papers' own repositories; the semi-AR paper has none. TODO(app issue): paper links.
+# The four seed papers and the two baselines they compare against (arXiv).
 PAPERS = {
-    "ReDrafter (seed 003)": "https://github.com/apple/ml-recurrent-drafter",
-    "HASS (seed 004)": "https://github.com/HArmonizedSS/HASS",
-    "FSPAD (seed 002)": "https://github.com/Luc4Gui/FSPAD",
-    "semi-autoregressive drafting (seed 001)": "",
+    "ReDrafter (seed 003): Recurrent Drafter for Fast Speculative Decoding": "https://arxiv.org/abs/2403.09919",
+    "HASS (seed 004): Learning Harmonized Representations for Speculative Sampling": "https://arxiv.org/abs/2408.15766",
+    "FSPAD (seed 002): Feature Sampling and Partial Alignment Distillation": "https://arxiv.org/abs/2408.15562",
+    "Semi-autoregressive drafting (seed 001; no public code, built from the paper)": "",
+    "EAGLE-2": "https://arxiv.org/abs/2406.16858",
+    "Medusa": "https://arxiv.org/abs/2401.10774",
 }
+
+READING = (
+    "**How to read the race.** Every column is one method decoding the same prompt with the same target. "
+    "The race is fair: one method computes at a time, and the one furthest behind in its own measured time "
+    "goes next, so the columns move at the speed each would have alone. τ counts tokens per target forward "
+    "(AR = 1). α_k has two definitions, both plotted: *conditional* divides the drafts accepted at depth k by "
+    "the steps whose draft reached depth k (EAGLE, Spec-Bench); *unconditional* divides by all steps (vLLM). "
+    "The trained drafters here were trained on a 2-core CPU at reduced scale (1,000 ShareGPT prompts), so "
+    "their τ is far below the papers'; each reuses the target's frozen LM head behind a learned projection "
+    "(an allowed deviation, stated on its card)."
+)
 
 NOTES = {
     "ar": dict(source="nothing: the target alone, one token per forward", training="none", paper="the baseline",

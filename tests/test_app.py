@@ -1,4 +1,4 @@
-"""The app through gradio_client, on a tiny random target launched in a subprocess."""
+"""The app through gradio_client, on a tiny random target launched in a subprocess (python app.py)."""
 
 from __future__ import annotations
 
@@ -27,35 +27,64 @@ def client(app):
 
 
 def test_compare_returns_text_origins_and_metrics(client):
-    out = client.predict("Say hello.", ["ar", "pld"], 16, api_name="/compare")
-    assert set(out) == {"ar", "pld"}
-    for label, res in out.items():
+    out = client.predict("Say hello.", ["ar", "pld", "skip"], 16, api_name="/compare")
+    assert out["notes"] == [] and set(out["methods"]) == {"ar", "pld", "skip"}
+    for label, res in out["methods"].items():
         assert len(res["tokens"]) == res["metrics"]["new_tokens"] == 16, label
-        assert {t["origin"] for t in res["tokens"]} <= {"accepted draft", "target"}
-        assert res["text"] == out["ar"]["text"]  # greedy: every lossless method equals AR
+        assert {t["origin"] for t in res["tokens"]} <= {"prompt", "accepted draft", "target"}
+        assert res["text"] == out["methods"]["ar"]["text"] and res["identical_to_ar"]  # greedy: lossless
+    assert res["metrics"]["tau"] >= 1.0
 
 
-@pytest.mark.parametrize("prompt, methods, match", [("", ["ar"], "prompt is empty"), ("hi", [], "at least one"),
-                                                     ("hi", ["eagle2"], "eagle2")])
+def test_settings_reach_the_drafter(client):
+    out = client.predict("Say hello.", ["ar", "skip"], 12, 0.0, 1.0, {"skip": {"layers": 1, "num_tokens": 5}},
+                         api_name="/compare")
+    skip = out["methods"]["skip"]["metrics"]
+    assert skip["mean_tree_size"] > 1 and out["methods"]["skip"]["identical_to_ar"]
+
+
+@pytest.mark.parametrize("prompt, methods, match", [
+    ("", ["ar"], "prompt is empty"),
+    ("   ", ["ar"], "prompt is empty"),
+    ("hi", [], "at least one"),
+    ("hi", ["eagle2"], "eagle2 is unavailable"),  # its checkpoint does not fit the tiny target
+    ("hi", ["nonsense"], "unknown method"),
+])
 def test_bad_input_is_a_clear_error(client, prompt, methods, match):
     with pytest.raises(Exception, match=match):
         client.predict(prompt, methods, 8, api_name="/compare")
 
 
+def test_a_missing_checkpoint_leaves_the_others_running(client):
+    out = client.predict("Hello?", ["ar", "eagle2", "pld"], 6, api_name="/compare")
+    assert set(out["methods"]) == {"ar", "pld"}
+    assert any(n.startswith("eagle2 is unavailable") for n in out["notes"])
+
+
 def test_absurd_settings_are_clamped_with_a_note(client):
-    out = client.predict("Count.", ["ar"], 100000, api_name="/compare")
-    assert out["ar"]["metrics"]["new_tokens"] <= 512
+    out = client.predict("Count.", ["ar", "pld"], 100000, 9.0, -3.0, {"pld": {"num_tokens": 10**6}}, api_name="/compare")
+    notes = " | ".join(out["notes"])
+    assert "max new tokens clamped to 512" in notes and "temperature clamped to 2.0" in notes
+    assert "top-p clamped to 0.05" in notes and "pld num_tokens clamped to 64" in notes
+    assert out["methods"]["ar"]["metrics"]["new_tokens"] <= 512
+    blank = client.predict("Count.", ["ar"], None, api_name="/compare")
+    assert "not a number" in blank["notes"][0] and blank["methods"]["ar"]["metrics"]["new_tokens"] == 128
 
 
-def test_stop_cancels_within_a_step(client):
+def test_race_streams_every_step_and_stop_cancels_within_a_step(client):
     job = client.submit("Write a long story.", ["ar", "pld"], 512, 0.0, 1.0, True, api_name="/race")
-    while job.status().code.name not in ("ITERATING",):
+    deadline = time.time() + 120
+    while len(job.outputs()) < 5 and time.time() < deadline:
         time.sleep(0.05)
+    assert len(job.outputs()) >= 5  # one update per step, not one at the end
     job.cancel()
-    time.sleep(1.0)
+    time.sleep(1.5)
     assert job.done()
-    out = client.predict("Say hi.", ["ar"], 4, api_name="/compare")  # the app still works
-    assert out["ar"]["metrics"]["new_tokens"] == 4
+    seen = len(job.outputs())
+    time.sleep(1.0)
+    assert len(job.outputs()) == seen  # nothing arrives after Stop
+    out = client.predict("Say hi.", ["ar"], 4, api_name="/compare")  # the engine is free and still exact
+    assert out["methods"]["ar"]["metrics"]["new_tokens"] == 4
 
 
 def test_ten_sessions_queue_and_all_finish(app):
@@ -64,4 +93,13 @@ def test_ten_sessions_queue_and_all_finish(app):
 
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
         results = list(pool.map(one, range(10)))
-    assert all(r["ar"]["metrics"]["new_tokens"] == 12 for r in results)
+    assert all(r["methods"]["ar"]["metrics"]["new_tokens"] == 12 for r in results)
+    assert all(r["methods"]["pld"]["identical_to_ar"] for r in results)
+
+
+def test_benchmark_streams_a_table_per_prompt(client):
+    job = client.submit("mt-bench", "first N", 2, ["ar", "pld"], 16, api_name="/benchmark")
+    outputs = [o for o in job]
+    table, csv, status = outputs[-1]
+    assert len(outputs) == 2 and "2 of 2 questions" in status
+    assert [row[0] for row in table["data"]] == ["ar", "pld"] and csv

@@ -1,0 +1,90 @@
+"""Drive a running app in headless Debian chromium with Python playwright.
+
+    python tests/browser_check.py URL [--methods ar,pld] [--prompt TEXT] [--max-new-tokens N] [--screenshot PATH]
+
+It loads the page, picks the methods, sets the token limit, presses Run, waits for every column to
+finish, opens the tree view, and prints one JSON line: what it saw and the seconds from Run to the
+first token on screen and to the last. A script, not a test, so playwright's own event loop never
+meets pytest's (tests/test_browser.py runs it in a subprocess).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from playwright.sync_api import sync_playwright
+
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+
+def pick_methods(page, methods: list[str]) -> None:
+    box = page.get_by_label("Methods")
+    for _ in range(20):  # remove the default picks
+        remove = page.locator("#methods .token-remove, #methods [aria-label^='Remove']")
+        if not remove.count():
+            break
+        remove.first.click()
+    for m in methods:
+        box.click()
+        box.fill(m)
+        page.get_by_role("option", name=m, exact=True).click()
+    page.keyboard.press("Escape")
+
+
+def set_slider(page, elem_id: str, value: int) -> None:
+    number = page.locator(f"#{elem_id} input[type=number]")
+    number.fill(str(value))
+    number.press("Enter")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("url")
+    p.add_argument("--methods", default="ar,pld")
+    p.add_argument("--prompt", default="Write a haiku about speculative decoding.")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--screenshot", default=None)
+    p.add_argument("--timeout", type=float, default=300)
+    args = p.parse_args()
+    methods = args.methods.split(",")
+    timeout = args.timeout * 1000
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1500, "height": 1900})
+        page.goto(args.url)
+        page.get_by_label("Prompt").fill(args.prompt)
+        pick_methods(page, methods)
+        set_slider(page, "max-new", args.max_new_tokens)
+        columns = ", ".join(f"#col-{m} .sv-tokens span" for m in methods)
+        start = time.perf_counter()
+        page.locator("#run").click()
+        page.wait_for_selector(columns, state="attached", timeout=timeout)
+        first_token_s = time.perf_counter() - start
+        done = " && ".join(f"document.querySelector('#col-{m} .sv-head[data-done=\"1\"]')" for m in methods)
+        page.wait_for_function(done, timeout=timeout)
+        done_s = time.perf_counter() - start
+        for pid in ("plot-alpha", "plot-length", "plot-latency", "plot-tree"):
+            page.wait_for_selector(f"#{pid} .js-plotly-plot .main-svg", state="attached", timeout=timeout)
+        seen = {
+            "first_token_s": first_token_s,
+            "done_s": done_s,
+            "heads": {m: page.locator(f"#col-{m} .sv-head").inner_text() for m in methods},
+            "spans": {m: {kind: page.locator(f"#col-{m} .sv-{kind}").count() for kind in ("acc", "bonus", "rej")}
+                      for m in methods},
+            "hover": page.locator(f"#col-{methods[0]} .sv-tokens span").first.get_attribute("title"),
+            "plots": {pid: page.locator(f"#{pid} .js-plotly-plot .main-svg").count() > 0
+                      for pid in ("plot-alpha", "plot-length", "plot-latency", "plot-tree")},
+            "plot_titles": [t.text_content() for t in page.locator(".js-plotly-plot .gtitle").all()],
+            "message": page.locator("#message").inner_text(),
+        }
+        if args.screenshot:
+            page.screenshot(path=args.screenshot, full_page=True)
+        browser.close()
+    print(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main()
