@@ -1,7 +1,7 @@
 """specviz: watch speculative-decoding drafters race side by side (Gradio).
 
-    python app.py [--target HF_ID_OR_FOLDER] [--assistant HF_ID_OR_FOLDER] [--device cuda]
-    # or SPECVIZ_TARGET / SPECVIZ_ASSISTANT / SPECVIZ_DEVICE; GRADIO_SERVER_NAME / GRADIO_SERVER_PORT
+    python app.py [--target HF_ID_OR_FOLDER] [--assistant HF_ID_OR_FOLDER] [--device cuda] [--dtype bfloat16]
+    # or SPECVIZ_TARGET / _ASSISTANT / _DEVICE / _DTYPE; GRADIO_SERVER_NAME / GRADIO_SERVER_PORT
 
 The target and every drafter load once, here at module level (never in gr.State). One generator
 drives all selected methods through the fair race of ``specviz.race`` and yields after every step,
@@ -26,6 +26,7 @@ from specviz import render, teaching
 from specviz.bench import bench_steps
 from specviz.data import load_questions
 from specviz.errors import SpecvizError
+from specviz.load import load_target
 from specviz.metrics import summarize
 from specviz.race import Lane, race
 from specviz.verify import Sampling
@@ -46,6 +47,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--target", default=os.environ.get("SPECVIZ_TARGET"), help="HF model id or folder (default: embedded)")
     p.add_argument("--assistant", default=os.environ.get("SPECVIZ_ASSISTANT"), help="assistant LM for sps (same tokenizer)")
     p.add_argument("--device", default=os.environ.get("SPECVIZ_DEVICE"), help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", default=os.environ.get("SPECVIZ_DTYPE", "float32"), help="float32 (exact), bfloat16, float16")
     return p.parse_known_args()[0]
 
 
@@ -54,6 +56,7 @@ def _space_packages() -> None:
     missing = [p for p in SPACE_PACKAGES if not _installed(p.split("==")[0])]
     if os.environ.get("SPACE_ID") and missing:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *missing], check=False)
+        importlib.invalidate_caches()
 
 
 def _installed(package: str) -> bool:
@@ -97,9 +100,10 @@ def _examples() -> list[str]:
 ARGS = _args()
 _space_packages()
 START = time.perf_counter()
-from specviz.load import load_target  # noqa: E402  (after the Space packages are in)
-
-TARGET = load_target(ARGS.target, "float32", ARGS.device)
+try:
+    TARGET = load_target(ARGS.target, ARGS.dtype, ARGS.device)
+except SpecvizError as _error:
+    sys.exit(f"specviz: {_error}")
 DRAFTERS, UNAVAILABLE = _load_drafters()
 COLD_START_S = time.perf_counter() - START
 EXAMPLES = _examples()
@@ -306,7 +310,7 @@ def compare_api(prompt: str, methods: list[str], max_new_tokens: float = 128, te
     result = {"notes": plan.notes, "methods": {}}
     for label, lane in lanes.items():
         tokens = [{"token": t, "text": TARGET.decode([t]), "step": r.step,
-                   "origin": "accepted draft" if i < r.accepted else ("prompt" if r.step == 0 else "target")}
+                   "origin": "accepted draft" if i < r.accepted else "target"}
                   for r in lane.records for i, t in enumerate(r.tokens)]
         same = lane.output_ids == lanes["ar"].output_ids if "ar" in lanes and plan.sampling.greedy else None
         result["methods"][label] = {"text": TARGET.decode(lane.output_ids), "tokens": tokens, "error": lane.error,
@@ -419,7 +423,7 @@ with gr.Blocks(title="specviz") as demo:
             latency_plot = gr.Plot(label="latency per token", elem_id="plot-latency")
         runs = gr.State({})
         with gr.Row():
-            tree_method = gr.Dropdown([], label="Draft tree of", scale=1)
+            tree_method = gr.Dropdown([], label="Draft tree of", scale=1, elem_id="tree-method")
             tree_step = gr.Slider(1, 2, value=1, step=1, label="Step", scale=3)
         tree_plot = gr.Plot(label="draft tree", elem_id="plot-tree")
         event = run_btn.click(race_ui, [prompt, methods, max_new, temperature, top_p, show_rejected, *setting_inputs],

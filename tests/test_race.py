@@ -119,3 +119,24 @@ def test_tree_figure_marks_the_accepted_path():
     assert list(nodes.x) == [0, 1, 2, 1] and list(nodes.text) == ["root", "5", "6", "7"]
     assert [c == render.COLOURS["accepted"] for c in nodes.marker.color] == [True, True, False, False]
     assert list(lines_on.x) == [0, 1, None]
+
+
+def test_tree_figure_shows_beams_before_dedup_for_beam_drafters():
+    from specviz.engine import StepRecord
+
+    beams = torch.tensor([[5, 6, 7], [5, 6, 8], [9, 6, 7]])  # two beams share the prefix 5 6
+    tree = DraftTree.from_beams(beams)
+    accepted = [1, 3]  # 5 -> 6 along beam 0
+    record = StepRecord(3, tree, accepted, [5, 6, 4], 4, torch.zeros(len(tree)), 0.5)
+    fig = render.tree_figure(record, lambda ids: str(ids[0]), "redrafter")
+    assert "3 beams × 3 → 7 nodes" in fig.layout.title.text
+    beam_nodes = fig.data[-1]
+    assert list(beam_nodes.text) == ["5", "6", "7", "5", "6", "8", "9", "6", "7"]
+    green = [c == render.COLOURS["accepted"] for c in beam_nodes.marker.color]
+    assert green == [True, True, False, True, True, False, False, False, False]  # the shared prefix is green twice
+
+
+def test_newlines_and_empty_tokens_stay_visible():
+    record = fake_record()
+    body = render.tokens_html([record], lambda ids: {5: "\n", 9: ""}.get(ids[0], "?"))
+    assert "↵\n</span>" in body and ">∅</span>" in body
