@@ -7,10 +7,12 @@ speedup is AR's time per token over the method's. ``hf`` and ``hf-pld`` run tran
 
 from __future__ import annotations
 
+import pickle
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -129,14 +131,15 @@ def _aggregate(runs: list[PromptRun], ar_runs: list[PromptRun], questions: list[
 
 def bench(target: TargetModel, methods: list[str], questions: list[Question], max_new_tokens: int = 128,
           sampling: Sampling | None = None, warmup: bool = True, progress: bool = True,
-          on_prompt: Callable[[dict], None] | None = None) -> dict:
+          on_prompt: Callable[[dict], None] | None = None, runs: dict[str, list[PromptRun]] | None = None) -> dict:
     """Run every method on every question (AR always included as the reference).
 
     ``on_prompt`` gets the results so far after each prompt but the last, so a caller can save them
-    and a killed run loses at most one prompt. Ctrl-C returns the prompts every method finished."""
+    and a killed run loses at most one prompt. Ctrl-C returns the prompts every method finished.
+    ``runs`` is filled in place, and may hold a killed run's first prompts to resume it (see bench_steps)."""
     results = None
     try:
-        for results in bench_steps(target, methods, questions, max_new_tokens, sampling, warmup, progress):
+        for results in bench_steps(target, methods, questions, max_new_tokens, sampling, warmup, progress, runs):
             if on_prompt is not None and results["interrupted"]:
                 on_prompt(results)
     except KeyboardInterrupt:
@@ -146,8 +149,12 @@ def bench(target: TargetModel, methods: list[str], questions: list[Question], ma
 
 
 def bench_steps(target: TargetModel, methods: list[str], questions: list[Question], max_new_tokens: int = 128,
-                sampling: Sampling | None = None, warmup: bool = True, progress: bool = True) -> Iterator[dict]:
-    """Yield the results so far after every prompt; all but the last are marked ``interrupted``."""
+                sampling: Sampling | None = None, warmup: bool = True, progress: bool = True,
+                runs: dict[str, list[PromptRun]] | None = None) -> Iterator[dict]:
+    """Yield the results so far after every prompt; all but the last are marked ``interrupted``.
+
+    ``runs`` (method label → one PromptRun per question, in order) is filled in place; the questions
+    it already holds, from an earlier run of the same methods, are kept and not run again."""
     if not questions:
         raise SettingsError("no questions to run")
     sampling = sampling or Sampling()
@@ -168,8 +175,16 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
     if warmup:
         for go in runners.values():
             go(prompts[0][:64])
-    results: dict[str, list[PromptRun]] = {label: [] for label in labels}
-    per_prompt = []
+    results = runs if runs is not None else {}
+    if any(results.values()) and set(results) != set(labels):
+        raise SettingsError(f"the run to resume has the methods {sorted(results)}, not {sorted(labels)}")
+    for label in labels:
+        results.setdefault(label, [])
+    finished = len(results["ar"])
+    if finished > len(questions) or any(len(r) != finished for r in results.values()):
+        raise SettingsError(f"the run to resume has {finished} prompts per method; this question set has {len(questions)}")
+    per_prompt = [_row(q, len(ids), {label: results[label][i] for label in labels})
+                  for i, (q, ids) in enumerate(zip(questions[:finished], prompts))]
 
     def report(interrupted: bool) -> dict:
         done = questions[: len(per_prompt)]
@@ -192,21 +207,76 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
             "per_prompt": list(per_prompt),
         }
 
-    for q, ids in tqdm(list(zip(questions, prompts)), desc="bench", disable=not progress, unit="prompt"):
-        row = {"id": q.id, "category": q.category, "prompt_tokens": len(ids), "methods": {}}
+    remaining = list(zip(questions, prompts))[finished:]
+    if not remaining:  # resuming a run that had finished
+        yield report(False)
+    for q, ids in tqdm(remaining, desc="bench", disable=not progress, unit="prompt", initial=finished, total=len(questions)):
         shift = len(per_prompt) % len(labels)  # rotate the order so no method always runs first
-        done = {label: runners[label](ids) for label in labels[shift:] + labels[:shift]}
+        ran = {label: runners[label](ids) for label in labels[shift:] + labels[:shift]}
+        done = {label: ran[label] for label in labels}
         for label in labels:
-            r = done[label]
-            results[label].append(r)
-            entry = {"new_tokens": len(r.output), "wall_s": r.wall_s, "identical_to_ar": r.output == done["ar"].output}
-            if r.records is not None:
-                decode = [x for x in r.records if x.step > 0]
-                entry["steps"] = len(decode)
-                entry["accepted_per_step"] = [x.accepted for x in decode]
-            row["methods"][label] = entry
-        per_prompt.append(row)
+            results[label].append(done[label])
+        per_prompt.append(_row(q, len(ids), done))
         yield report(len(per_prompt) < len(questions))
+
+
+def _row(q: Question, prompt_tokens: int, done: dict[str, PromptRun]) -> dict:
+    row = {"id": q.id, "category": q.category, "prompt_tokens": prompt_tokens, "methods": {}}
+    for label, r in done.items():
+        entry = {"new_tokens": len(r.output), "wall_s": r.wall_s, "identical_to_ar": r.output == done["ar"].output}
+        if r.records is not None:
+            decode = [x for x in r.records if x.step > 0]
+            entry["steps"] = len(decode)
+            entry["accepted_per_step"] = [x.accepted for x in decode]
+        row["methods"][label] = entry
+    return row
+
+
+class RunLog:
+    """A bench's PromptRuns, appended to a file after every prompt, so that a killed run can resume.
+
+    The file holds the run's settings, then one pickle per finished prompt; a prompt cut short by the
+    kill is dropped on loading. Only load logs this program wrote: pickle runs code from the file."""
+
+    def __init__(self, path: Path, settings: dict):
+        self.path, self.settings = path, settings
+
+    def start(self) -> None:
+        with self.path.open("wb") as f:
+            pickle.dump(self.settings, f)
+
+    def resume(self) -> dict[str, list[PromptRun]]:
+        if not self.path.exists():
+            raise SettingsError(f"nothing to resume: {self.path} does not exist (bench writes it while it runs and "
+                                "removes it when the run is complete)")
+        runs: dict[str, list[PromptRun]] = {}
+        with self.path.open("rb") as f:
+            try:
+                settings = pickle.load(f)
+            except Exception as e:
+                raise SettingsError(f"{self.path} is not a bench run log ({e})") from None
+            if settings != self.settings:
+                changed = sorted(k for k in settings.keys() | self.settings.keys() if settings.get(k) != self.settings.get(k))
+                raise SettingsError(f"{self.path} was a run with other {', '.join(changed)}; run without --resume to start again")
+            good = f.tell()
+            while True:
+                try:
+                    prompt = pickle.load(f)
+                except Exception:  # the end, or the prompt being written when the run was killed
+                    break
+                for label, run in prompt.items():
+                    runs.setdefault(label, []).append(run)
+                good = f.tell()
+        with self.path.open("r+b") as f:
+            f.truncate(good)
+        return runs
+
+    def append(self, prompt: dict[str, PromptRun]) -> None:
+        with self.path.open("ab") as f:
+            pickle.dump(prompt, f)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def machine_description() -> str:

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="results.json")
     b.add_argument("--update-cards", action="store_true", help="record the results in the shipped checkpoints' cards")
     b.add_argument("--watchdog", type=float, default=900, help="seconds on one prompt before printing every thread's stack")
+    b.add_argument("--resume", action="store_true", help="continue a killed run of the same command where it stopped")
 
     pr = sub.add_parser("profile", help="verify-cost curve: ms per target forward vs tokens verified")
     pr.add_argument("--target", default=None)
@@ -134,7 +135,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import bench
+    from .bench import RunLog, bench
     from .data import load_questions
     from .load import load_target
 
@@ -143,12 +144,27 @@ def cmd_bench(args) -> None:
     questions = load_questions(args.questions, args.limit, args.per_category)
     target = load_target(args.target, args.dtype, args.device)
     out = Path(args.out)
+    log = RunLog(out.with_name(out.name + ".runs"), {
+        "methods": methods, "questions": [q.id for q in questions], "max new tokens": args.max_new_tokens,
+        "sampling": [sampling.temperature, sampling.top_p, sampling.resolved_rule], "target": target.name,
+        "dtype": args.dtype, "device": str(target.device)})
+    runs = log.resume() if args.resume else {}
+    if args.resume:
+        print(f"resuming: {len(runs.get('ar', []))} of {len(questions)} prompts already done")
+    else:
+        log.start()
+
+    logged = len(runs.get("ar", []))
 
     def save(results: dict) -> None:  # after every prompt, so a killed run keeps what it finished
+        nonlocal logged
         results["questions"] = args.questions
         partial = out.with_name(out.name + ".partial")
         partial.write_text(json.dumps(results, indent=1))
         partial.replace(out)
+        for i in range(logged, len(runs["ar"])):
+            log.append({label: r[i] for label, r in runs.items()})
+        logged = len(runs["ar"])
         watchdog()
 
     def watchdog() -> None:  # a prompt stuck past --watchdog seconds prints where every thread is
@@ -156,7 +172,7 @@ def cmd_bench(args) -> None:
 
     watchdog()
     try:
-        results = bench(target, methods, questions, args.max_new_tokens, sampling, on_prompt=save)
+        results = bench(target, methods, questions, args.max_new_tokens, sampling, on_prompt=save, runs=runs)
     finally:
         faulthandler.cancel_dump_traceback_later()
     save(results)
@@ -166,7 +182,10 @@ def cmd_bench(args) -> None:
         tau = f"{m['tau']:.2f}" if "tau" in m else "-"
         print(f"{label:28} {tau:>6} {m['tokens_per_s']:7.1f} {m['speedup']:7.2f}x {m['identical_to_ar']:>4}/{m['prompts']}")
     if results["interrupted"]:
-        print(f"interrupted: kept the {len(results['per_prompt'])} prompts every method finished")
+        print(f"interrupted: kept the {len(results['per_prompt'])} prompts every method finished; "
+              "the same command with --resume goes on from there")
+    else:
+        log.remove()
     print(f"wrote {args.out}")
     if args.update_cards and not results["interrupted"]:
         from drafters.checkpoint import record_benchmark

@@ -73,6 +73,61 @@ def test_bench_saves_each_finished_prompt_before_the_run_ends(tiny_folder, tmp_p
     assert saved["methods"]["pld"]["prompts"] == 2 and saved["questions"] == str(questions)
 
 
+def test_a_killed_bench_resumes_where_it_stopped(tiny_folder, tmp_path, monkeypatch):
+    """Killed at prompt 3 of 3, then --resume: only prompt 3 runs, and the results equal an unbroken run's."""
+    import specviz.bench
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(3)))
+    command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
+               "--max-new-tokens", "6"]
+    real_run, calls = specviz.bench.run, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if kill_after is not None and len(calls) > kill_after:
+            raise SystemExit("killed")
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(specviz.bench, "run", counted)
+    out, log = tmp_path / "results.json", tmp_path / "results.json.runs"
+    kill_after = 2 * 2 + 2  # warm-up (2 methods), then 2 prompts x 2 methods
+    with pytest.raises(SystemExit):
+        main([*command, "--out", str(out)])
+    with log.open("ab") as f:
+        f.write(b"\x80\x05\x95half a prompt")  # the prompt being written when the run was killed
+    calls.clear()
+    kill_after = None
+    assert main([*command, "--out", str(out), "--resume"]) == 0
+    assert len(calls) == 2 + 2  # warm-up, then prompt 3 only
+    assert not log.exists()  # a complete run removes its log
+    assert main([*command, "--out", str(tmp_path / "unbroken.json")]) == 0
+    resumed, unbroken = json.loads(out.read_text()), json.loads((tmp_path / "unbroken.json").read_text())
+    assert not resumed["interrupted"]
+    keep = ("id", "prompt_tokens")
+    assert [{k: r[k] for k in keep} for r in resumed["per_prompt"]] == [{k: r[k] for k in keep} for r in unbroken["per_prompt"]]
+    for label in ("ar", "pld"):
+        for field in ("prompts", "new_tokens", "identical_to_ar", "tau", "alpha_conditional"):
+            assert resumed["methods"][label][field] == unbroken["methods"][label][field], (label, field)
+
+
+def test_resume_needs_the_log_of_the_same_command(tiny_folder, tmp_path, monkeypatch, capsys):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"turns": ["Count to 3."]}))
+    command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
+               "--out", str(tmp_path / "r.json")]
+    assert main([*command, "--resume"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    import specviz.bench
+
+    monkeypatch.setattr(specviz.bench, "run", lambda *a, **k: (_ for _ in ()).throw(SystemExit("killed")))
+    with pytest.raises(SystemExit):
+        main([*command, "--max-new-tokens", "6"])
+    monkeypatch.undo()
+    assert main([*command, "--max-new-tokens", "7", "--resume"]) == 2
+    assert "other max new tokens" in capsys.readouterr().err
+
+
 def test_train_then_generate_with_the_checkpoint(tiny_folder, tmp_path, monkeypatch, capsys):
     """The shared pipeline end to end on real ShareGPT prompts: self-distil, features, train, save, use."""
     monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))
