@@ -121,14 +121,17 @@ def _examples() -> list[str]:
         return ["Write a short poem about speculative decoding.", "Explain what a KV cache is in two sentences."]
 
 
+def plots(runs: dict) -> list:
+    """The Race tab's live plots: α_k per depth, tokens per step, latency per token."""
+    return [render.acceptance_figure(runs), render.accepted_length_figure(runs), render.latency_figure(runs)]
+
+
 def _warm_up() -> float:
     """Two tokens from every method and one of each plot, so the first Run pays no one-off costs."""
     start = time.perf_counter()
     try:
         lanes = {lane.label: lane for lane in race(TARGET, DRAFTERS, TARGET.encode_chat("Hi"), 2)}
-        runs = {k: v.records for k, v in lanes.items()}
-        for figure in (render.acceptance_figure, render.accepted_length_figure, render.latency_figure):
-            figure(runs)
+        plots({k: v.records for k, v in lanes.items()})
     except Exception as e:  # a slower first Run is no reason to refuse to start
         print(f"specviz: warm-up failed ({e!r}); continuing", file=sys.stderr)
     return time.perf_counter() - start
@@ -322,8 +325,7 @@ class RaceView:
         return (*columns, *self.figures(), self.message(), runs)
 
     def figures(self) -> list:
-        runs = {k: v.records for k, v in self.lanes.items()}
-        return [render.acceptance_figure(runs), render.accepted_length_figure(runs), render.latency_figure(runs)]
+        return plots({k: v.records for k, v in self.lanes.items()})
 
     def message(self) -> str:
         notes = list(self.plan.notes)
@@ -481,10 +483,10 @@ with gr.Blocks(title="specviz") as demo:
         with gr.Row(equal_height=False):
             columns = [gr.HTML(visible=False, elem_id=f"col-{m}", elem_classes="sv-column") for m in METHODS]
         with gr.Row():
-            # drawn empty at page load, so the browser has plotly ready before the first Run
-            alpha_plot = gr.Plot(render.acceptance_figure({}), label="α_k per depth", elem_id="plot-alpha")
-            length_plot = gr.Plot(render.accepted_length_figure({}), label="tokens per step", elem_id="plot-length")
-            latency_plot = gr.Plot(render.latency_figure({}), label="latency per token", elem_id="plot-latency")
+            empty = plots({})  # drawn at page load, so the browser has plotly ready before the first Run
+            alpha_plot = gr.Plot(empty[0], label="α_k per depth", elem_id="plot-alpha")
+            length_plot = gr.Plot(empty[1], label="tokens per step", elem_id="plot-length")
+            latency_plot = gr.Plot(empty[2], label="latency per token", elem_id="plot-latency")
         runs = gr.State({})
         with gr.Row():
             tree_method = gr.Dropdown([], label="Draft tree of", scale=1, elem_id="tree-method")

@@ -264,8 +264,8 @@ class RunLog:
                     prompt = pickle.load(f)
                 except Exception:  # the end, or the prompt being written when the run was killed
                     break
-                for label, run in prompt.items():
-                    runs.setdefault(label, []).append(run)
+                for label, prompt_run in prompt.items():
+                    runs.setdefault(label, []).append(prompt_run)
                 good = f.tell()
         with self.path.open("r+b") as f:
             f.truncate(good)

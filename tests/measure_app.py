@@ -1,0 +1,111 @@
+"""Measure the app on the embedded target (a benchmark, not a test): cold start, first token, UI overhead.
+
+    python3 tests/measure_app.py [--runs 4] [--max-new-tokens 128]
+
+Starts ``python app.py``, then for each run and method: the CLI's ``generate``, ``/compare`` and a
+streamed ``/race`` through gradio_client, and the page in headless chromium (tests/browser_check.py).
+Prints one JSON line per measurement and a summary: medians and their ratio to the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+from app_harness import ROOT, free_port
+from gradio_client import Client
+
+PROMPT = "Explain in a short paragraph why the sky is blue."
+
+
+def tokens_in(column: str) -> int:
+    return int(re.search(r"· (\d+) tokens", column).group(1))
+
+
+def cli(method: str, n: int) -> float:
+    out = subprocess.run([sys.executable, "-m", "specviz", "generate", "--method", method, "--max-new-tokens", str(n),
+                          "--prompt", PROMPT, "--color", "never"], capture_output=True, text=True, cwd=ROOT).stdout
+    return float(re.search(r"tokens in [\d.]+ s = ([\d.]+) tok/s", out).group(1))
+
+
+def compare(client: Client, method: str, n: int) -> float:
+    start = time.perf_counter()
+    out = client.predict(PROMPT, [method], n, api_name="/compare")
+    return out["methods"][method]["metrics"]["new_tokens"] / (time.perf_counter() - start)
+
+
+def race(client: Client, method: str, n: int) -> tuple[float, float]:
+    start = time.perf_counter()
+    job = client.submit(PROMPT, [method], n, 0.0, 1.0, True, api_name="/race")
+    while len(job.outputs()) < 2 and not job.done():  # the start, then the first tokens
+        time.sleep(0.005)
+    first = time.perf_counter() - start
+    final = job.result()
+    wall = time.perf_counter() - start
+    column = next(x["value"] for x in final if isinstance(x, dict) and f"<b>{method}</b>" in str(x.get("value")))
+    return tokens_in(column) / wall, first
+
+
+def browser(url: str, method: str, n: int) -> tuple[float, float]:
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "browser_check.py"), url, "--methods", method,
+                          "--max-new-tokens", str(n), "--prompt", PROMPT], capture_output=True, text=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    return tokens_in(seen["heads"][method]) / seen["done_s"], seen["first_token_s"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default="ar,eagle2")
+    args = p.parse_args()
+    port = free_port()
+    env = {**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    app = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    rows = []
+
+    def note(**row) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                time.sleep(0.1)
+        note(how="cold start", seconds=round(time.perf_counter() - start, 2))
+        client = Client(url, verbose=False)
+        for _ in range(args.runs):
+            for m in args.methods.split(","):
+                n = args.max_new_tokens
+                note(how="cli", method=m, tok_s=cli(m, n))
+                note(how="/compare", method=m, tok_s=round(compare(client, m, n), 2))
+                rate, first = race(client, m, n)
+                note(how="/race", method=m, tok_s=round(rate, 2), first_update_s=round(first, 3))
+                rate, first = browser(url, m, n)
+                note(how="browser", method=m, tok_s=round(rate, 2), first_token_s=round(first, 3))
+    finally:
+        app.terminate()
+        app.wait()
+    for m in args.methods.split(","):
+        base = statistics.median(r["tok_s"] for r in rows if r["how"] == "cli" and r.get("method") == m)
+        for how in ("cli", "/compare", "/race", "browser"):
+            v = statistics.median(r["tok_s"] for r in rows if r["how"] == how and r.get("method") == m)
+            print(f"{m:8} {how:9} median {v:6.1f} tok/s  {v / base:.2f}x CLI")
+    firsts = sorted(r["first_token_s"] for r in rows if r["how"] == "browser")
+    print(f"first token on screen: {firsts[0]:.2f}-{firsts[-1]:.2f} s, {sum(f < 1 for f in firsts)} of {len(firsts)} under 1 s")
+
+
+if __name__ == "__main__":
+    main()
