@@ -261,12 +261,17 @@ def _slider_settings(values) -> dict:
 
 
 class RaceView:
-    """Turns race lanes into Gradio updates: only the columns that moved, plots every few seconds."""
+    """Turns race lanes into Gradio outputs: the columns that moved are rebuilt, plots every few seconds.
+
+    Columns and the message go out as plain values, never ``gr.update``/``gr.skip``: Gradio rebuilds a
+    component for every update dict it gets, which cost the engine several per cent while streaming."""
 
     def __init__(self, plan: Plan, show_rejected: bool):
         self.plan, self.show_rejected = plan, show_rejected
         self.lanes: dict[str, Lane] = {}
         self.spans: dict[str, list[str]] = {m: [] for m in plan.drafters}
+        self.html: dict[str, str] = {m: "" for m in METHODS}  # every column as last sent
+        self.notes = ""  # the message as sent at the start
         self.plotted = time.perf_counter()
 
     def column(self, label: str) -> str:
@@ -299,9 +304,10 @@ class RaceView:
         return f' · <span class="sv-same">✅ identical to AR{"" if final else " so far"}</span>'
 
     def start(self) -> tuple:
-        columns = [gr.update(visible=m in self.plan.drafters, value=self.column(m) if m in self.plan.drafters else "")
-                   for m in METHODS]
-        return (*columns, gr.skip(), gr.skip(), gr.skip(), self.message(), gr.skip())
+        self.html.update({m: self.column(m) for m in self.plan.drafters})
+        self.notes = self.message()
+        columns = [gr.update(visible=m in self.plan.drafters, value=self.html[m]) for m in METHODS]
+        return (*columns, gr.skip(), gr.skip(), gr.skip(), self.notes, gr.skip())
 
     def advance(self, lanes: list[Lane]) -> tuple:
         """Redraw the columns of the lanes that stepped (all of them when AR moved: their speedups)."""
@@ -312,17 +318,17 @@ class RaceView:
             spans[len(spans):] = [render.step_html(r, TARGET.decode, self.show_rejected)
                                   for r in lane.records[len(spans):]]
             moved |= {lane.label} | (set(self.lanes) if lane.label == "ar" else set())
-        columns = [gr.update(value=self.column(m)) if m in moved else gr.skip() for m in METHODS]
+        self.html.update({m: self.column(m) for m in moved})
         now = time.perf_counter()
         figures = [gr.skip()] * 3
         if now - self.plotted >= PLOT_EVERY_S:
             figures, self.plotted = self.figures(), now
-        return (*columns, *figures, gr.skip(), gr.skip())
+        return (*self.html.values(), *figures, self.notes, gr.skip())
 
     def finish(self) -> tuple:
-        columns = [gr.update(value=self.column(m)) if m in self.plan.drafters else gr.skip() for m in METHODS]
+        self.html.update({m: self.column(m) for m in self.plan.drafters})
         runs = {k: {"records": v.records, "clock": v.clock, "error": v.error} for k, v in self.lanes.items()}
-        return (*columns, *self.figures(), self.message(), runs)
+        return (*self.html.values(), *self.figures(), self.message(), runs)
 
     def figures(self) -> list:
         return plots({k: v.records for k, v in self.lanes.items()})

@@ -8,9 +8,9 @@ progress.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -30,9 +30,11 @@ def in_batches(steps: Iterator[T], executor: Executor, stop: threading.Event, ev
 
     Setting ``stop``, or closing this generator, ends ``steps`` after the step in progress (no further
     step starts). An error raised inside ``steps`` is raised here, after the items made before it.
+    The consumer wakes for the first item, when a batch is due and when the run ends, never per item.
     """
-    made: queue.SimpleQueue = queue.SimpleQueue()
-    closed = threading.Event()
+    made: deque = deque()
+    wake, hungry, closed = threading.Event(), threading.Event(), threading.Event()
+    hungry.set()  # set while the consumer waits for the next item rather than for a batch to fall due
 
     def pump() -> None:
         try:
@@ -41,36 +43,43 @@ def in_batches(steps: Iterator[T], executor: Executor, stop: threading.Event, ev
                     item = next(steps)
                 except StopIteration:
                     break
-                made.put(item)
+                made.append(item)
+                if hungry.is_set():
+                    hungry.clear()
+                    wake.set()
         except BaseException as e:  # handed to the consumer's thread
-            made.put(_Failed(e))
+            made.append(_Failed(e))
         finally:
             steps.close()
-            made.put(_DONE)
+            made.append(_DONE)
+            wake.set()
 
     executor.submit(pump)
-    batch: list[T] = []
-    shown: float | None = None
+    due: float | None = None  # None: waiting for the next item
     try:
         while True:
-            wait = None if not batch else max(0.0, shown + every_s - time.perf_counter())
-            try:
-                item = made.get(timeout=wait)
-            except queue.Empty:  # a batch is due and nothing more came
+            wake.wait(None if due is None else max(0.0, due - time.perf_counter()))
+            wake.clear()
+            batch: list[T] = []
+            while made:
+                item = made.popleft()
+                if item is _DONE:
+                    if batch:
+                        yield batch
+                    return
+                if isinstance(item, _Failed):
+                    if batch:
+                        yield batch
+                    raise item.error
+                batch.append(item)
+            if batch:
+                hungry.clear()
                 yield batch
-                batch, shown = [], time.perf_counter()
-                continue
-            if item is _DONE:
-                break
-            if isinstance(item, _Failed):
-                if batch:
-                    yield batch
-                raise item.error
-            batch.append(item)
-            if shown is None or time.perf_counter() - shown >= every_s:
-                yield batch
-                batch, shown = [], time.perf_counter()
-        if batch:
-            yield batch
+                due = time.perf_counter() + every_s
+            else:  # due, and nothing came: wait for the next item (one made meanwhile is drained at once)
+                due = None
+                hungry.set()
+                if made:
+                    wake.set()
     finally:
         closed.set()

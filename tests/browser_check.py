@@ -30,6 +30,20 @@ CLOCK = """([first, done]) => {
 }"""
 
 
+def chromium_cpu_s() -> float:
+    """CPU seconds used so far by every chromium process (browser, renderer, GPU, utilities)."""
+    import psutil
+
+    total = 0.0
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if "chrom" in (proc.info["name"] or ""):
+                total += sum(proc.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return total
+
+
 def pick_methods(page, methods: list[str]) -> None:
     box = page.get_by_label("Methods")
     for _ in range(20):  # remove the default picks
@@ -59,6 +73,7 @@ def main() -> None:
     p.add_argument("--screenshot", default=None)
     p.add_argument("--tree", default=None, help="show this method's draft tree before the screenshot")
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--cpu", action="store_true", help="also report chromium's CPU seconds from Run to done")
     args = p.parse_args()
     methods = args.methods.split(",")
     timeout = args.timeout * 1000
@@ -73,8 +88,10 @@ def main() -> None:
         columns = ", ".join(f"#col-{m} .sv-tokens span" for m in methods)
         done = " && ".join(f"document.querySelector('#col-{m} .sv-head[data-done=\"1\"]')" for m in methods)
         page.evaluate(CLOCK, [columns, done])
+        cpu_before = chromium_cpu_s() if args.cpu else 0.0
         page.locator("#run").click()
         page.wait_for_function("window.svClock.done", polling=100, timeout=timeout)  # not every frame: that keeps the page drawing
+        cpu_s = chromium_cpu_s() - cpu_before if args.cpu else None
         clock = page.evaluate("window.svClock")
         first_token_s, done_s = (clock["first"] - clock["click"]) / 1000, (clock["done"] - clock["click"]) / 1000
         for pid in ("plot-alpha", "plot-length", "plot-latency", "plot-tree"):
@@ -87,6 +104,7 @@ def main() -> None:
         seen = {
             "first_token_s": first_token_s,
             "done_s": done_s,
+            "browser_cpu_s": cpu_s,
             "heads": {m: page.locator(f"#col-{m} .sv-head").inner_text() for m in methods},
             "spans": {m: {kind: page.locator(f"#col-{m} .sv-{kind}").count() for kind in ("acc", "bonus", "rej")}
                       for m in methods},

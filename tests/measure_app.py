@@ -3,7 +3,9 @@
     python3 tests/measure_app.py [--runs 4] [--max-new-tokens 128]
 
 Starts ``python app.py``, then for each run and method: the CLI's ``generate``, ``/compare`` and a
-streamed ``/race`` through gradio_client, and the page in headless chromium (tests/browser_check.py).
+streamed ``/race`` through gradio_client, and the page in headless chromium (tests/browser_check.py),
+with the CPU chromium used meanwhile. Then, as a control, the CLI again beside a busy loop that takes
+as much CPU as chromium did: what sharing the cores alone costs, with no app in the way.
 Prints one JSON line per measurement and a summary: medians and their ratio to the CLI.
 """
 
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 
 from app_harness import ROOT, free_port
 from gradio_client import Client
@@ -49,15 +52,29 @@ def race(client: Client, method: str, n: int) -> tuple[float, float]:
     first = time.perf_counter() - start
     final = job.result()
     wall = time.perf_counter() - start
-    column = next(x["value"] for x in final if isinstance(x, dict) and f"<b>{method}</b>" in str(x.get("value")))
+    column = next(x for x in final if isinstance(x, str) and f"<b>{method}</b>" in x)
     return tokens_in(column) / wall, first
 
 
-def browser(url: str, method: str, n: int) -> tuple[float, float]:
+def browser(url: str, method: str, n: int) -> tuple[float, float, float]:
+    """Tokens/s on the page, the first token's delay, and the cores chromium kept busy from Run to done."""
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "browser_check.py"), url, "--methods", method,
-                          "--max-new-tokens", str(n), "--prompt", PROMPT], capture_output=True, text=True)
+                          "--max-new-tokens", str(n), "--prompt", PROMPT, "--cpu"], capture_output=True, text=True)
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    return tokens_in(seen["heads"][method]) / seen["done_s"], seen["first_token_s"]
+    return tokens_in(seen["heads"][method]) / seen["done_s"], seen["first_token_s"], seen["browser_cpu_s"] / seen["done_s"]
+
+
+@contextmanager
+def busy(cores: float):
+    """A process that keeps ``cores`` of one core busy (spinning that share of every 10 ms)."""
+    loop = (f"import time\nwhile True:\n    t = time.perf_counter()\n    while time.perf_counter() - t < {0.01 * cores}: pass\n"
+            f"    time.sleep({0.01 * (1 - cores)})")
+    proc = subprocess.Popen([sys.executable, "-c", loop])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def main() -> None:
@@ -93,16 +110,22 @@ def main() -> None:
                 note(how="/compare", method=m, tok_s=round(compare(client, m, n), 2))
                 rate, first = race(client, m, n)
                 note(how="/race", method=m, tok_s=round(rate, 2), first_update_s=round(first, 3))
-                rate, first = browser(url, m, n)
-                note(how="browser", method=m, tok_s=round(rate, 2), first_token_s=round(first, 3))
+                rate, first, cores = browser(url, m, n)
+                note(how="browser", method=m, tok_s=round(rate, 2), first_token_s=round(first, 3), chromium_cores=round(cores, 3))
     finally:
         app.terminate()
         app.wait()
+    cores = statistics.median(r["chromium_cores"] for r in rows if r["how"] == "browser")
+    with busy(min(cores, 0.95)):
+        for _ in range(args.runs):
+            for m in args.methods.split(","):
+                note(how="cli beside busy", method=m, tok_s=cli(m, args.max_new_tokens), busy_cores=round(cores, 3))
+    print(f"chromium kept {cores:.2f} cores busy during a run (median)")
     for m in args.methods.split(","):
         base = statistics.median(r["tok_s"] for r in rows if r["how"] == "cli" and r.get("method") == m)
-        for how in ("cli", "/compare", "/race", "browser"):
+        for how in ("cli", "/compare", "/race", "browser", "cli beside busy"):
             v = statistics.median(r["tok_s"] for r in rows if r["how"] == how and r.get("method") == m)
-            print(f"{m:8} {how:9} median {v:6.1f} tok/s  {v / base:.2f}x CLI")
+            print(f"{m:8} {how:15} median {v:6.1f} tok/s  {v / base:.2f}x CLI")
     firsts = sorted(r["first_token_s"] for r in rows if r["how"] == "browser")
     print(f"first token on screen: {firsts[0]:.2f}-{firsts[-1]:.2f} s, {sum(f < 1 for f in firsts)} of {len(firsts)} under 1 s")
 

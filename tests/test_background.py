@@ -36,10 +36,25 @@ def run(steps, stop=None, every_s=0.0):
 
 
 def test_every_item_arrives_in_order_and_the_first_at_once():
-    steps = Steps(10)
-    batches = run(steps, every_s=60.0)
-    assert batches == [[0], list(range(1, 10))]  # the first on its own, the rest when the run ends
+    gate = threading.Event()
+    steps = Steps(10, on_step=lambda i: gate.wait(10) if i == 1 else None)
+    with ThreadPoolExecutor(1, thread_name_prefix="engine") as engine:
+        batches = in_batches(iter(steps), engine, threading.Event(), 60.0)
+        assert next(batches) == [0]  # shown at once, while step 1 is still running
+        gate.set()
+        assert list(batches) == [list(range(1, 10))]  # the rest when the run ends, not a minute later
     assert steps.closed_on.startswith("engine")
+
+
+def test_a_batch_is_shown_when_due_and_a_slow_step_is_waited_for():
+    gates = [threading.Event() for _ in range(3)]
+    steps = Steps(4, on_step=lambda i: gates[i - 1].wait(10) if i else None)
+    with ThreadPoolExecutor(1, thread_name_prefix="engine") as engine:
+        batches = in_batches(iter(steps), engine, threading.Event(), 0.0)
+        for i in range(3):
+            assert next(batches) == [i]  # due at once: each item as soon as it exists
+            gates[i].set()
+        assert list(batches) == [[3]]
 
 
 def test_stop_ends_the_run_after_the_step_in_progress():
