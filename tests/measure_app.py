@@ -7,6 +7,9 @@ streamed ``/race`` through gradio_client, and the page in headless chromium (tes
 with the CPU chromium used meanwhile. Then, as a control, the CLI again beside a busy loop that takes
 as much CPU as chromium did: what sharing the cores alone costs, with no app in the way.
 Prints one JSON line per measurement and a summary: medians and their ratio to the CLI.
+
+With ``--split-cores`` the server and the CLI get core 0 and one torch thread, and this script, its
+client and chromium get core 1: a one-core server whose page is drawn elsewhere, as on a Space.
 """
 
 from __future__ import annotations
@@ -32,9 +35,18 @@ def tokens_in(column: str) -> int:
     return int(re.search(r"· (\d+) tokens", column).group(1))
 
 
+SERVER = {"env": dict(os.environ), "cores": None}  # where the app and the CLI run (see --split-cores)
+
+
+def on_server_cores() -> None:
+    if SERVER["cores"]:
+        os.sched_setaffinity(0, SERVER["cores"])
+
+
 def cli(method: str, n: int) -> float:
     out = subprocess.run([sys.executable, "-m", "specviz", "generate", "--method", method, "--max-new-tokens", str(n),
-                          "--prompt", PROMPT, "--color", "never"], capture_output=True, text=True, cwd=ROOT).stdout
+                          "--prompt", PROMPT, "--color", "never"], capture_output=True, text=True, cwd=ROOT,
+                         env=SERVER["env"], preexec_fn=on_server_cores).stdout
     return float(re.search(r"tokens in [\d.]+ s = ([\d.]+) tok/s", out).group(1))
 
 
@@ -82,11 +94,16 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="ar,eagle2")
+    p.add_argument("--split-cores", action="store_true", help="server and CLI on core 0 (1 thread), the rest on core 1")
     args = p.parse_args()
+    if args.split_cores:
+        SERVER.update(env={**os.environ, "OMP_NUM_THREADS": "1"}, cores={0})
+        os.sched_setaffinity(0, {1})  # this script, its client and chromium
     port = free_port()
-    env = {**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONPATH": str(ROOT)}
+    env = {**SERVER["env"], "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
-    app = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    app = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                           preexec_fn=on_server_cores)
     url = f"http://127.0.0.1:{port}/"
     rows = []
 
@@ -116,14 +133,15 @@ def main() -> None:
         app.terminate()
         app.wait()
     cores = statistics.median(r["chromium_cores"] for r in rows if r["how"] == "browser")
-    with busy(min(cores, 0.95)):
-        for _ in range(args.runs):
-            for m in args.methods.split(","):
-                note(how="cli beside busy", method=m, tok_s=cli(m, args.max_new_tokens), busy_cores=round(cores, 3))
     print(f"chromium kept {cores:.2f} cores busy during a run (median)")
+    if not args.split_cores:  # the control: sharing the cores alone, no app
+        with busy(min(cores, 0.95)):
+            for _ in range(args.runs):
+                for m in args.methods.split(","):
+                    note(how="cli beside busy", method=m, tok_s=cli(m, args.max_new_tokens), busy_cores=round(cores, 3))
     for m in args.methods.split(","):
         base = statistics.median(r["tok_s"] for r in rows if r["how"] == "cli" and r.get("method") == m)
-        for how in ("cli", "/compare", "/race", "browser", "cli beside busy"):
+        for how in ("cli", "/compare", "/race", "browser") + (() if args.split_cores else ("cli beside busy",)):
             v = statistics.median(r["tok_s"] for r in rows if r["how"] == how and r.get("method") == m)
             print(f"{m:8} {how:15} median {v:6.1f} tok/s  {v / base:.2f}x CLI")
     firsts = sorted(r["first_token_s"] for r in rows if r["how"] == "browser")
