@@ -285,7 +285,8 @@ def machine_description() -> str:
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    return (f"{platform.machine()} CPU ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 
 def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 7) -> dict:

@@ -67,10 +67,10 @@ def test_sps_with_an_assistant_equals_ar(target, prompts):
         assert_same_as_ar(target, ids, result.output_ids, reference)
 
 
-# Floors for the shipped checkpoints at their default (CPU) settings, greedy, 64 tokens: MT-bench τ
-# is 1.29-1.34 for the two-node trees (cards) and 1.13-1.20 for the one-token drafts of the hidden-state
-# drafters on held-out prompts; these fail a broken drafter or a wrong checkpoint (AR = 1.0).
-TAU_FLOORS = {"eagle2": 1.1, "hass": 1.1, "fspad": 1.1, "medusa": 1.05, "redrafter": 1.05, "semi-attn": 1.05,
+# Floors for the shipped checkpoints at their default (CPU) settings, greedy, 64 tokens: the two-node
+# trees give 1.34-1.41 on these 3 prompts (1.40-1.47 on all 80, cards) and the one-token drafts of the
+# hidden-state drafters 1.13-1.20 on held-out prompts; these fail a broken drafter or a wrong checkpoint.
+TAU_FLOORS = {"eagle2": 1.2, "hass": 1.2, "fspad": 1.2, "medusa": 1.05, "redrafter": 1.05, "semi-attn": 1.05,
               "semi-lstm": 1.05}
 
 
