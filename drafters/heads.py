@@ -41,17 +41,25 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-def teacher_forced(net: nn.Module, frozen, tokens: torch.Tensor, feats: torch.Tensor, depth: int) -> list[torch.Tensor]:
-    """LM-head inputs [B, T, H] for depths 1..depth: position t reads x_t, root t+1 and true tokens after it."""
+def teacher_forced(net: nn.Module, frozen, tokens: torch.Tensor, feats: torch.Tensor, depth: int,
+                   rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """LM-head inputs for depths 1..depth: position t reads x_t, root t+1 and the true tokens after it.
+
+    Each is [B, T, H], or [len(rows), H] for only the flat positions ``rows`` of [B*T] when given.
+    """
     b, t = tokens.shape
     x = feats.reshape(b * t, -1)
+    dense = rows is None
+    rows = torch.arange(b * t, device=x.device) if dense else rows
+    x = x[rows]
 
-    def embed(shift: int) -> torch.Tensor:  # token t+shift at position t (zeros past the end, masked out)
-        return frozen.embed(torch.roll(tokens, -shift, dims=1)).reshape(b * t, -1).to(x.dtype)
+    def embed(shift: int) -> torch.Tensor:  # token t+shift at position t (wraps past the end: masked out)
+        return frozen.embed(torch.roll(tokens, -shift, dims=1).reshape(-1)[rows]).to(x.dtype)
 
     state, outs = net.start(x, embed(1)), []
     for d in range(1, depth + 1):
-        outs.append(net.head(state, x, d).reshape(b, t, -1))
+        out = net.head(state, x, d)
+        outs.append(out.reshape(b, t, -1) if dense else out)
         if d < depth:
             state = net.advance(state, embed(1 + d), d)
     return outs
@@ -61,30 +69,41 @@ def chain_loss(net, frozen, tokens, feats, valid, depth: int = DEPTH, evaluate: 
     """Soft cross-entropy against the target's own distribution for each drafted token.
 
     The draft at position t and depth d is token t+1+d; the target's distribution for it is its
-    LM head on feature t+d. ``valid[b, t]``: position t predicts inside the answer. With
-    ``evaluate``, also the share of positions where the target's top token is rank r of the draft.
+    LM head on feature t+d. ``valid[b, t]``: position t predicts inside the answer, and depth d
+    counts where t+d is valid too. Only those positions go through the network and the LM head
+    (padding and prompts would be more than a quarter of the work). With ``evaluate``, also the
+    share of positions where the target's top token is rank r of the draft.
     """
-    t = tokens.shape[1]
+    b, t = tokens.shape
+    flat_valid = valid.reshape(-1)
+    rows = flat_valid.nonzero().squeeze(1)  # flat positions whose depth-1 draft counts
+    keeps, needed = [], torch.zeros_like(flat_valid)
+    for d in range(1, depth + 1):
+        ahead = rows + d
+        keep = (ahead % t >= d) & flat_valid[ahead.clamp(max=b * t - 1)]  # t+d: same sequence, and valid
+        keeps.append(keep)
+        needed[ahead[keep]] = True
     with torch.no_grad():
-        goal_logits = frozen.logits(feats).float()
+        goal_rows = needed.nonzero().squeeze(1)
+        goal_logits = frozen.logits(feats.reshape(b * t, -1)[goal_rows]).float()
         goal_p, goal_top = torch.softmax(goal_logits, dim=-1), goal_logits.argmax(-1)
+        goal_index = torch.zeros(b * t, dtype=torch.long, device=rows.device)
+        goal_index[goal_rows] = torch.arange(goal_rows.numel(), device=rows.device)
     total, stats = 0.0, {}
-    for d, head_in in enumerate(teacher_forced(net, frozen, tokens, feats, depth), start=1):
-        ok = valid.clone()
-        ok[:, : t - d] &= valid[:, d:]
-        ok[:, t - d:] = False
-        w = ok.float()
-        n = w.sum().clamp_min(1)
-        logits = frozen.logits(head_in).float()
-        loss = (-(goal_p.roll(-d, dims=1) * torch.log_softmax(logits, dim=-1)).sum(-1) * w).sum() / n
+    for d, head_in in enumerate(teacher_forced(net, frozen, tokens, feats, depth, rows), start=1):
+        keep = keeps[d - 1]
+        n = max(int(keep.sum()), 1)
+        at = goal_index[rows[keep] + d]
+        logits = frozen.logits(head_in[keep]).float()
+        loss = -(goal_p[at] * torch.log_softmax(logits, dim=-1)).sum() / n
         total = total + loss
-        top = goal_top.roll(-d, dims=1)
-        stats[f"acc{d}"] = float(((logits.argmax(-1) == top).float() * w).sum() / n)
+        top = goal_top[at]
+        stats[f"acc{d}"] = float((logits.argmax(-1) == top).float().sum() / n)
         stats[f"loss{d}"] = float(loss.detach())
         if evaluate:
-            rank = (logits > logits.gather(-1, top[..., None])).sum(-1)
+            rank = (logits > logits.gather(-1, top[:, None])).sum(-1)
             for r in range(8):
-                stats[f"rank{d}_{r}"] = float(((rank == r).float() * w).sum() / n)
+                stats[f"rank{d}_{r}"] = float((rank == r).float().sum() / n)
     return total, stats
 
 

@@ -147,7 +147,9 @@ class Oracle(torch.nn.Module):
         return state
 
     def head(self, state, x, depth):
-        return self.feats.roll(-(depth + self.shift), dims=1).reshape(x.shape)
+        flat = self.feats.reshape(-1, self.feats.shape[-1])
+        position = (x[:, None, :] == flat[None]).all(-1).float().argmax(1)  # which flat position each row is
+        return self.feats.roll(-(depth + self.shift), dims=1).reshape(flat.shape)[position]
 
 
 def test_chain_loss_targets_token_t_plus_1_plus_depth():
@@ -161,6 +163,41 @@ def test_chain_loss_targets_token_t_plus_1_plus_depth():
     assert [stats[f"acc{d}"] for d in (1, 2, 3)] == [1.0, 1.0, 1.0]
     _, off = chain_loss(Oracle(feats, shift=-1), frozen, tokens, feats, valid, depth=3)
     assert max(off[f"acc{d}"] for d in (1, 2, 3)) < 0.5
+
+
+def dense_chain_loss(net, frozen, tokens, feats, valid, depth):
+    """The loss written plainly: every position through the network, masked afterwards."""
+    t = tokens.shape[1]
+    goal_p = torch.softmax(frozen.logits(feats), dim=-1)
+    total = 0.0
+    for d, head_in in enumerate(teacher_forced(net, frozen, tokens, feats, depth), start=1):
+        ok = valid.clone()
+        ok[:, : t - d] &= valid[:, d:]
+        ok[:, t - d:] = False
+        per_position = -(goal_p.roll(-d, dims=1) * torch.log_softmax(frozen.logits(head_in), dim=-1)).sum(-1)
+        total = total + (per_position * ok).sum() / ok.sum()
+    return total
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_chain_loss_on_valid_rows_equals_the_dense_loss(method):
+    torch.manual_seed(1)
+    net = NETWORKS[method](HIDDEN)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    frozen = OneHot(HIDDEN)
+    tokens = torch.randint(0, HIDDEN, (3, 10))
+    feats = torch.randn(3, 10, HIDDEN)
+    valid = torch.zeros(3, 10, dtype=torch.bool)
+    valid[0, 2:9], valid[1, 0:5], valid[2, 4:7] = True, True, True  # answers of different lengths, padding
+    valid[2, 8] = True  # not contiguous: still only the pairs (t, t+d) that are both valid count
+    loss, _ = chain_loss(net, frozen, tokens, feats, valid, depth=DEPTH)
+    grads = torch.autograd.grad(loss, list(net.parameters()))
+    expected = dense_chain_loss(net, frozen, tokens, feats, valid, DEPTH)
+    expected_grads = torch.autograd.grad(expected, list(net.parameters()))
+    torch.testing.assert_close(loss, expected)
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e)
 
 
 def test_teacher_forced_inputs_are_root_then_true_tokens():

@@ -592,3 +592,36 @@ def test_sharegpt_file_that_is_not_a_list(tmp_path):
     path.write_text('{"a": 1}')
     with pytest.raises(DataError, match="not a JSON list"):
         list(read_sharegpt(path))
+
+
+def test_prepare_reuses_saved_sequences(target, tmp_path, monkeypatch):
+    """The slow self-distillation runs once: its token file (cache or shipped) rebuilds identical features."""
+    items = [conversation(i) for i in range(12)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(items), encoding="utf-8")
+    monkeypatch.setattr(corpus, "sharegpt_file", lambda: path)
+    monkeypatch.setattr(target, "encode_chat", lambda text: [3 + int(text.split()[-1]) % 50, 1, 2], raising=False)
+    cache, shipped = tmp_path / "cache", tmp_path / "shipped"
+    first, first_val, meta = corpus.prepare(target, 8, max_new_tokens=6, val_fraction=0.2, batch_size=4,
+                                            cache=cache, shipped=shipped)
+    assert len(first) == 8 and len(first_val) >= 1 and meta["train_samples"] == 8
+    (sequences,) = cache.glob("sequences-*.safetensors")
+    for features in cache.glob("train-*"):
+        features.unlink()  # the feature cache is gone (a new machine) ...
+    shipped.mkdir()
+    sequences.rename(shipped / sequences.name)  # ... but the project ships the sequences
+
+    def no_distilling(*args, **kwargs):
+        raise AssertionError("self-distilled again")
+
+    monkeypatch.setattr(corpus, "self_distill", no_distilling)
+    again, again_val, meta_again = corpus.prepare(target, 8, max_new_tokens=6, val_fraction=0.2, batch_size=4,
+                                                  cache=cache, shipped=shipped)
+    assert torch.equal(again.tokens, first.tokens) and torch.equal(again.answer_starts, first.answer_starts)
+    assert torch.equal(again.features, first.features) and torch.equal(again_val.tokens, first_val.tokens)
+    assert meta_again["answer_tokens"] == meta["answer_tokens"]
+    (shipped / sequences.name).write_bytes(b"not safetensors")
+    for features in cache.glob("*-*.safetensors"):
+        features.unlink()
+    with pytest.raises(corpus.DataError, match="unreadable"):
+        corpus.prepare(target, 8, max_new_tokens=6, val_fraction=0.2, batch_size=4, cache=cache, shipped=shipped)
