@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from specviz.errors import SpecvizError
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
+REPO = Path(__file__).resolve().parent.parent
+ASSETS = REPO / "assets" / "drafters"
 WEIGHTS, CARD = "weights.safetensors", "card.json"
 
 
@@ -105,6 +106,12 @@ def restore_network(method, target, state: dict):
     return net, FrozenTarget(target, vocab_map)
 
 
+def shareable_path(path: str | Path) -> str:
+    """``path`` as a card should name it: relative to the repository, or just the file name if outside it."""
+    path = Path(path).resolve()
+    return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.name
+
+
 def record_benchmark(results: dict, source: str) -> list[Path]:
     """Write each shipped trained method's bench figures into its card (under 'mtbench')."""
     from specviz.bench import parse_method
@@ -119,7 +126,8 @@ def record_benchmark(results: dict, source: str) -> list[Path]:
         entry = {k: m[k] for k in ("tau", "alpha_conditional", "alpha_unconditional", "tokens_per_s", "speedup",
                                    "identical_to_ar", "prompts") if k in m}
         entry.update(questions=results.get("questions"), max_new_tokens=results["max_new_tokens"],
-                     dtype=results["dtype"], machine=results["machine"], date=results["date"], results_file=str(source))
+                     dtype=results["dtype"], machine=results["machine"], date=results["date"],
+                     results_file=shareable_path(source))
         bench = card.get("mtbench") or {}
         bench[label] = entry
         update_card(folder, mtbench=bench)

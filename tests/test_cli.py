@@ -191,3 +191,19 @@ def test_report_renders_a_bench_file(tiny_folder, tmp_path, capsys):
     assert main(["report", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| `ar` | 1.00 |" in table and "| `pld` |" in table and "1 prompts" in table
+
+
+def test_cards_name_results_files_without_machine_paths(tmp_path):
+    from drafters.checkpoint import REPO, read_card, record_benchmark
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "card.json").write_text(json.dumps({"method": "eagle2", "target": {}}))
+    label = f"eagle2:checkpoint={folder}"
+    results = {"methods": {label: {"tau": 1.5, "prompts": 2}}, "questions": "mt-bench", "max_new_tokens": 8,
+               "dtype": "float32", "machine": "cpu", "date": "2026-11-23"}
+    for source, named in [(REPO / "assets" / "bench" / "run.json", "assets/bench/run.json"),
+                          (tmp_path / "cache" / "run.json", "run.json")]:
+        assert record_benchmark(results, str(source)) == [folder]
+        entry = read_card(folder)["mtbench"][label]
+        assert entry["results_file"] == named and entry["tau"] == 1.5
