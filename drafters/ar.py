@@ -1,8 +1,7 @@
 """Plain autoregressive decoding: the empty draft tree, one target token per forward."""
 
-from specviz.tree import DraftTree
-
-from .base import Drafter, DraftRequest, Settings
+from specviz.core.protocol import Drafter, DraftRequest, Settings
+from specviz.core.tree import DraftTree
 
 
 class AutoregressiveDrafter(Drafter):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from specviz.tree import DraftTree
-from specviz.verify import probabilities
-
-from .base import Drafter, DraftRequest
+from specviz.core.protocol import Drafter, DraftRequest
+from specviz.core.tree import DraftTree
+from specviz.core.verify import probabilities
 
 
 class ChainLMDrafter(Drafter):
@@ -56,7 +55,8 @@ class ChainLMDrafter(Drafter):
         drafted, logps, dists = [], [], []
         for i in range(depth):
             q = probabilities(logits, request.sampling)
-            tok = int(q.argmax()) if request.sampling.greedy else int(torch.multinomial(q, 1, generator=request.generator))
+            tok = (int(q.argmax()) if request.sampling.greedy
+                   else int(torch.multinomial(q, 1, generator=request.generator)))
             drafted.append(tok)
             logps.append(torch.log_softmax(logits, -1)[tok])
             dists.append(q)

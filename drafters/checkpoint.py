@@ -9,7 +9,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from specviz.errors import SpecvizError
+from specviz.core.errors import SpecvizError
 
 REPO = Path(__file__).resolve().parent.parent
 ASSETS = REPO / "assets" / "drafters"
@@ -77,59 +77,12 @@ def load_checkpoint(folder: str | Path | None, method: str, target) -> tuple[dic
     try:
         state = load_file(str(folder / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{method} checkpoint {folder / WEIGHTS} is unreadable (corrupt or truncated): {e}") from None
+        raise CheckpointError(f"{method} checkpoint {folder / WEIGHTS} is unreadable "
+                              f"(corrupt or truncated): {e}") from None
     return {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}, card
-
-
-def restore_network(method, target, state: dict):
-    """``method.new_network(target)`` loaded from ``state``, plus the frozen head of its draft vocabulary."""
-    from .vocab_head import FrozenTarget
-
-    state = dict(state)
-    vocab_map = state.pop("vocab_map", None)
-    if vocab_map is None:
-        raise CheckpointError(f"{method.name} checkpoint has no vocab_map tensor")
-    if int(vocab_map.max()) >= target.vocab_size:
-        raise CheckpointError(f"{method.name} checkpoint's draft vocabulary reaches id {int(vocab_map.max())}, "
-                              f"beyond this target's vocab of {target.vocab_size}")
-    net = method.new_network(target)
-    own = set(net.state_dict())
-    missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
-    if missing or unexpected:  # checked first: names the weights of another method plainly
-        raise CheckpointError(f"{method.name} checkpoint does not fit this target: "
-                              f"missing {missing[:4]} unexpected {unexpected[:4]}")
-    try:
-        net.load_state_dict(state)
-    except RuntimeError as e:  # a tensor of another shape
-        raise CheckpointError(f"{method.name} checkpoint does not fit this target: {' '.join(str(e).split())[:300]}") from None
-    net = net.to(device=target.device, dtype=target.dtype).eval()
-    return net, FrozenTarget(target, vocab_map)
 
 
 def shareable_path(path: str | Path) -> str:
     """``path`` as a card should name it: relative to the repository, or just the file name if outside it."""
     path = Path(path).resolve()
     return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.name
-
-
-def record_benchmark(results: dict, source: str) -> list[Path]:
-    """Write each shipped trained method's bench figures into its card (under 'mtbench')."""
-    from specviz.bench import parse_method
-
-    touched = []
-    for label, m in results["methods"].items():
-        name, settings = parse_method(label)
-        folder = Path(settings.get("checkpoint") or default_path(name))
-        if "tau" not in m or not (folder / CARD).exists():
-            continue
-        card = read_card(folder)
-        entry = {k: m[k] for k in ("tau", "alpha_conditional", "alpha_unconditional", "tokens_per_s", "speedup",
-                                   "identical_to_ar", "prompts") if k in m}
-        entry.update(questions=results.get("questions"), max_new_tokens=results["max_new_tokens"],
-                     dtype=results["dtype"], machine=results["machine"], date=results["date"],
-                     results_file=shareable_path(source))
-        bench = card.get("mtbench") or {}
-        bench[label] = entry
-        update_card(folder, mtbench=bench)
-        touched.append(folder)
-    return touched

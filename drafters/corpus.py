@@ -18,8 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from specviz.errors import SpecvizError
-from specviz.target import final_norm
+from specviz.core.errors import SpecvizError
 
 
 class DataError(SpecvizError):
@@ -149,38 +148,43 @@ def self_distill(target, prompts: list[list[int]], max_new_tokens: int, batch_si
     return answers
 
 
+def length_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator | None = None) -> list[list[int]]:
+    """Indices grouped by length so each batch pads to about ``batch_tokens`` tokens.
+
+    With ``gen``, equal lengths are ordered at random and the batches come in shuffled order (training);
+    without it, shortest first (feature extraction)."""
+    if gen is None:
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    else:
+        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], torch.rand(1, generator=gen).item()))
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out if gen is None else [out[j] for j in torch.randperm(len(out), generator=gen).tolist()]
+
+
 @torch.inference_mode()
 def extract_features(target, seqs: list[tuple[torch.Tensor, int]], batch_tokens: int = 4096,
                      desc: str = "features") -> FeatureSet:
-    """Run the frozen target over each sequence and keep its final-norm output at every position."""
+    """Run the frozen target over each sequence and keep its features (final-norm output) at every position."""
     model, device = target.model, target.device
-    norm = final_norm(model)
-    if norm is None:
-        raise DataError("the target has no final norm module to read features from")
-    captured = {}
-    handle = norm.register_forward_hook(lambda _m, _a, out: captured.__setitem__("h", out))
     feats: list[torch.Tensor | None] = [None] * len(seqs)
-    order = sorted(range(len(seqs)), key=lambda i: seqs[i][0].numel())
-    try:
-        batches, batch = [], []
-        for i in order:
-            if batch and (len(batch) + 1) * seqs[i][0].numel() > batch_tokens:
-                batches.append(batch)
-                batch = []
-            batch.append(i)
-        batches.append(batch)
-        for batch in tqdm(batches, desc=desc, unit="batch"):
-            width = max(seqs[i][0].numel() for i in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, i in enumerate(batch):
-                n = seqs[i][0].numel()
-                ids[row, :n], mask[row, :n] = seqs[i][0], 1
-            model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-            for row, i in enumerate(batch):
-                feats[i] = captured["h"][row, : seqs[i][0].numel()].float().cpu()
-    finally:
-        handle.remove()
+    for batch in tqdm(length_batches([s.numel() for s, _ in seqs], batch_tokens), desc=desc, unit="batch"):
+        width = max(seqs[i][0].numel() for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(batch):
+            n = seqs[i][0].numel()
+            ids[row, :n], mask[row, :n] = seqs[i][0], 1
+        hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                     use_cache=False).last_hidden_state  # the final norm's output
+        for row, i in enumerate(batch):
+            feats[i] = hidden[row, : seqs[i][0].numel()].float().cpu()
     return FeatureSet.build(seqs, feats)
 
 
@@ -261,7 +265,8 @@ def prepare(target, samples: int, self_distilled: bool = True, max_prompt_tokens
         if all(p.exists() for p in paths):
             return FeatureSet.load(paths[0]), FeatureSet.load(paths[1]), stored_meta(paths[0])
     name = f"sequences-{key}.safetensors"
-    found = next((folder / name for folder in (cache, shipped) if folder is not None and (folder / name).exists()), None)
+    found = next((folder / name for folder in (cache, shipped)
+                  if folder is not None and (folder / name).exists()), None)
     if found is not None:
         print(f"specviz: training sequences from {found}", flush=True)
         splits = load_sequences(found)
@@ -272,7 +277,8 @@ def prepare(target, samples: int, self_distilled: bool = True, max_prompt_tokens
             save_sequences(cache / name, splits, meta)
     sets = [extract_features(target, splits[part], desc=f"features {part}") for part in ("train", "val")]
     meta.update(train_samples=len(sets[0]), train_tokens=sets[0].num_tokens,
-                answer_tokens=int(sum(sets[0].sequence(i)[0].numel() - sets[0].sequence(i)[2] for i in range(len(sets[0])))),
+                answer_tokens=int(sum(sets[0].sequence(i)[0].numel() - sets[0].sequence(i)[2]
+                                      for i in range(len(sets[0])))),
                 val_samples=len(sets[1]))
     if paths is not None:
         sets[0].save(paths[0], meta)

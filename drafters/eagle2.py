@@ -1,8 +1,8 @@
 """EAGLE-2: a one-layer feature drafter with a dynamic draft tree (Li et al., 2024).
 
-The network reads the target's last hidden state ("feature", taken after the final norm like
-EAGLE's released code) fused with the next token's embedding, runs one Llama decoder layer built
-from transformers' own modules, and predicts the next feature. Draft logits come from the
+The network reads the target's feature (its final-norm output, as in EAGLE's released code) fused
+with the next token's embedding, runs one Llama decoder layer built from transformers' own modules,
+and predicts the next feature. Draft logits come from the
 target's frozen LM head restricted to a reduced draft vocabulary (the most frequent tokens of the
 training data), which keeps the per-node head cheap on CPU. HASS and FSPAD reuse this file.
 """
@@ -17,10 +17,10 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from specviz.tree import DraftTree
+from specviz.core.protocol import Commit, DraftRequest, Settings
+from specviz.core.tree import DraftTree, additive_mask
 
-from .base import Commit, Drafter, DraftRequest, Settings
-from .checkpoint import load_checkpoint, restore_network
+from .trained import TrainedDrafter
 from .vocab_head import FrozenTarget
 
 
@@ -75,11 +75,6 @@ class FeatureNet(nn.Module):
             return head_in, feature
         out = x + out
         return out, out
-
-
-def additive_mask(allowed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """Bool [q, k] -> additive float mask [1, 1, q, k]."""
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed.cpu(), torch.finfo(dtype).min)[None, None]
 
 
 def aligned_mask(length: int, step: int) -> torch.Tensor:
@@ -181,22 +176,12 @@ class TreeSettings(Settings):
     PAPER = {"depth": 6, "top_k": 10, "total_tokens": 60}
 
 
-class Eagle2Drafter(Drafter):
+class Eagle2Drafter(TrainedDrafter):
     name = "eagle2"
     title = "EAGLE-2: one-layer feature drafter, dynamic draft tree"
-    trained = True
     variant = {"sampler": False, "split": False}
     loss = LossOptions()
 
-    def __init__(self, target, settings: TreeSettings):
-        self.settings = settings
-        state, card = load_checkpoint(settings.checkpoint, self.name, target)
-        self.card = card
-        self.net, self.frozen = self.restore(target, state)
-        self.device = target.device
-        self.reset()
-
-    # -- building ---------------------------------------------------------------------------
     @classmethod
     def new_network(cls, target) -> FeatureNet:
         return FeatureNet(layer_config(target.config), **cls.variant)
@@ -206,14 +191,6 @@ class Eagle2Drafter(Drafter):
         """The method's objective; ``evaluate`` reports accuracy at depths 1-3 for every method alike."""
         return feature_loss(net, frozen, tokens, feats, valid, LossOptions(passes=3) if evaluate else cls.loss)
 
-    @classmethod
-    def restore(cls, target, state: dict) -> tuple[FeatureNet, FrozenTarget]:
-        return restore_network(cls, target, state)
-
-    def num_parameters(self) -> int:
-        """Trained weights plus the copied LM-head rows of the draft vocabulary."""
-        return sum(p.numel() for p in self.net.parameters()) + self.frozen.head.numel()
-
     # -- decoding state ---------------------------------------------------------------------
     def reset(self) -> None:
         self.cache = DynamicCache()
@@ -222,9 +199,8 @@ class Eagle2Drafter(Drafter):
 
     @torch.inference_mode()
     def observe(self, commit: Commit) -> None:
-        feats = self.frozen.norm(commit.features.to(self.device)) if self.frozen.norm else commit.features
         nxt = torch.cat([commit.tokens[1:].cpu(), torch.tensor([commit.pending])])
-        self.queue.append((feats.to(self.net.fuse.weight.dtype), nxt.to(self.device)))
+        self.queue.append((self.features(commit), nxt.to(self.device)))
 
     def _step(self, feats, tokens, positions, allowed) -> tuple[torch.Tensor, torch.Tensor]:
         mask = additive_mask(allowed, feats.dtype).to(self.device)
@@ -263,7 +239,8 @@ class Eagle2Drafter(Drafter):
         logp = torch.log_softmax(self.frozen.logits(head_in[None]).float(), dim=-1)[0]
         score, tok = logp.topk(min(k, logp.numel()))
         # every candidate, level by level; a node's global id is its index in the concatenation
-        scores, tokens, logps, parents, depths = [score], [tok], [score], [torch.full_like(tok, -1)], [torch.ones_like(tok)]
+        scores, tokens, logps, parents, depths = ([score], [tok], [score], [torch.full_like(tok, -1)],
+                                                  [torch.ones_like(tok)])
         frontier, front_tok, front_score = torch.arange(tok.numel()), tok, score
         front_feat = feature[None].expand(tok.numel(), -1)
         front_anc = torch.zeros(tok.numel(), 0, dtype=torch.bool)  # fed ancestors (none below the root)
@@ -298,4 +275,4 @@ class Eagle2Drafter(Drafter):
         parent_ids = torch.cat(parents)[keep]
         parent_input = torch.where(parent_ids < 0, torch.zeros_like(parent_ids), index[parent_ids.clamp_min(0)])
         return DraftTree(self.frozen.vocab_map[torch.cat(tokens)[keep]].cpu(), parent_input,
-                         torch.cat(logps)[keep].cpu(), None, {"candidates": count})
+                         torch.cat(logps)[keep].cpu())

@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specviz.errors import SettingsError
-from specviz.tree import DraftTree
+from specviz.core.errors import SettingsError
+from specviz.core.protocol import Commit, DraftRequest, Settings
+from specviz.core.tree import DraftTree
 
-from .base import Commit, Drafter, DraftRequest, Settings
-from .checkpoint import load_checkpoint, restore_network
+from .trained import TrainedDrafter
 
 DEPTH = 4  # draft tokens per position in training (K = 4 as in the semi-AR paper)
 
@@ -147,20 +147,11 @@ class BeamSettings(Settings):
     ranges = {"width": (1, 32), "length": (1, 8)}
 
 
-class HeadDrafter(Drafter):
+class HeadDrafter(TrainedDrafter):
     """A trained network on the target's last hidden state; drafts by beam search (Medusa overrides)."""
 
-    trained = True
     max_length = 8  # longest draft the network supports
     network: type[nn.Module]  # built as network(hidden_size)
-
-    def __init__(self, target, settings):
-        self.settings = settings
-        state, self.card = load_checkpoint(settings.checkpoint, self.name, target)
-        self.net, self.frozen = restore_network(type(self), target, state)
-        self.device = target.device
-        self.check_settings(settings)
-        self.reset()
 
     def check_settings(self, settings) -> None:
         if settings.length > self.max_length:
@@ -174,18 +165,13 @@ class HeadDrafter(Drafter):
     def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False):
         return chain_loss(net, frozen, tokens, feats, valid, DEPTH, evaluate)
 
-    def num_parameters(self) -> int:
-        """Trained weights plus the copied LM-head rows of the draft vocabulary."""
-        return sum(p.numel() for p in self.net.parameters()) + self.frozen.head.numel()
-
     def reset(self) -> None:
-        self.x: torch.Tensor | None = None  # [1, H] normed hidden state at the last committed position
+        self.x: torch.Tensor | None = None  # [1, H] the feature at the last committed position
         self.root: int | None = None
 
     @torch.inference_mode()
     def observe(self, commit: Commit) -> None:
-        last = commit.features[-1:].to(self.device)
-        self.x = (self.frozen.norm(last) if self.frozen.norm else last).to(self.frozen.head.dtype)
+        self.x = self.features(commit)[-1:]
         self.root = commit.pending
 
     @torch.inference_mode()

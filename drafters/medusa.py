@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specviz.errors import SettingsError
-from specviz.tree import DraftTree
+from specviz.core.errors import SettingsError
+from specviz.core.protocol import DraftRequest, Settings
+from specviz.core.tree import DraftTree
 
-from .base import DraftRequest, Settings
 from .heads import DEPTH, HeadDrafter, ResBlock
 
 

@@ -4,10 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specviz.errors import SettingsError
-from specviz.tree import DraftTree
-
-from .base import Drafter, DraftRequest, Settings
+from specviz.core.errors import SettingsError
+from specviz.core.protocol import Drafter, DraftRequest, Settings
+from specviz.core.tree import DraftTree
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Semi-autoregressive drafting (seed 001): q(d_j | h_p, h_q(d_<j)).
+"""Semi-autoregressive drafting: q(d_j | h_p, h_q(d_<j)).
 
 h_p is the target's last hidden state, computed once per step by the verify forward and reused
 for every draft token; h_q summarises the tokens drafted so far (the root first) with a tiny LM:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specviz.errors import SettingsError
+from specviz.core.errors import SettingsError
+from specviz.core.protocol import Settings
 
-from .base import Settings
 from .chain_lm import ChainLMDrafter
 
 
@@ -18,6 +18,11 @@ class SkipSettings(Settings):
     layers: int = 6  # first N target layers used as the draft model
     num_tokens: int = 4
     ranges = {"layers": (1, 1024), "num_tokens": (1, 32)}
+
+    @classmethod
+    def limits(cls, target) -> dict[str, tuple]:
+        """At most all but one of the target's layers."""
+        return {**cls.ranges, "layers": (1, max(1, target.config.num_hidden_layers - 1))}
 
 
 def truncated_view(model: torch.nn.Module, layers: int) -> torch.nn.Module:
@@ -46,7 +51,8 @@ class SkipLayerDrafter(ChainLMDrafter):
 
     def __init__(self, target, settings: SkipSettings | None = None):
         self.settings = settings or SkipSettings()
-        super().__init__(truncated_view(target.model, self.settings.layers), self.settings.num_tokens, target.vocab_size)
+        super().__init__(truncated_view(target.model, self.settings.layers), self.settings.num_tokens,
+                         target.vocab_size)
 
     def num_parameters(self) -> int:
         return 0  # every weight is the target's own

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specviz.errors import SettingsError
+from specviz.core.errors import SettingsError
+from specviz.core.protocol import Settings
 
-from .base import Settings
 from .chain_lm import ChainLMDrafter
 
 
@@ -21,7 +21,8 @@ class AssistantSettings(Settings):
 def check_same_vocab(target, model, tokenizer) -> None:
     if target.tokenizer is not None and tokenizer is not None:
         if target.tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise SettingsError("the assistant's tokenizer differs from the target's; speculative sampling needs the same one")
+            raise SettingsError("the assistant's tokenizer differs from the target's; "
+                                "speculative sampling needs the same one")
     rows = model.get_output_embeddings().weight.shape[0]
     if rows < target.vocab_size:
         raise SettingsError(f"the assistant has {rows} vocabulary rows; the target needs {target.vocab_size}")
@@ -35,8 +36,9 @@ class AssistantDrafter(ChainLMDrafter):
         self.settings = settings or AssistantSettings()
         if model is None:
             if not self.settings.assistant:
-                raise SettingsError("sps needs an assistant model: --set assistant=<HF id or folder>")
-            from specviz.load import load_causal_lm
+                raise SettingsError("sps needs an assistant model with the target's tokenizer: "
+                                    "set assistant=<HF id or folder> (the app: --assistant)")
+            from specviz.core.load import load_causal_lm
 
             model, tokenizer = load_causal_lm(self.settings.assistant, self.settings.dtype, str(target.device))
         check_same_vocab(target, model, tokenizer)

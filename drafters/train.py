@@ -1,8 +1,8 @@
 """The one training pipeline for every trained drafter.
 
 ShareGPT prompts -> (self-distilled) answers -> frozen target features -> the method's own loss
--> a bf16 safetensors checkpoint with a JSON card. Methods plug in with two class methods:
-``new_network(target)`` and ``training_loss(net, frozen, tokens, feats, valid, evaluate)``.
+-> a bf16 safetensors checkpoint with a JSON card. Methods plug in through the training protocol
+of ``TrainedDrafter``: ``new_network(target)`` and ``training_loss(net, frozen, tokens, feats, valid, evaluate)``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specviz.errors import SettingsError
+from specviz.core.errors import SettingsError
+from specviz.core.metrics import extra_memory_pct
 
 from .checkpoint import save_checkpoint, target_signature
-from .corpus import FeatureSet
+from .corpus import FeatureSet, length_batches
+from .trained import TrainedDrafter
 from .vocab_head import FrozenTarget, draft_vocabulary
 
 
@@ -42,17 +44,8 @@ class TrainConfig:
 
 def batches(data: FeatureSet, cfg: TrainConfig, gen: torch.Generator) -> list[list[int]]:
     """Length-bucketed batches of about ``batch_tokens`` padded tokens, in shuffled order."""
-    lengths = (data.offsets[1:] - data.offsets[:-1]).clamp(max=cfg.max_length)
-    order = sorted(range(len(data)), key=lambda i: (int(lengths[i]), torch.rand(1, generator=gen).item()))
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * int(lengths[i]) > cfg.batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    return [out[j] for j in torch.randperm(len(out), generator=gen).tolist()]
+    lengths = (data.offsets[1:] - data.offsets[:-1]).clamp(max=cfg.max_length).tolist()
+    return length_batches(lengths, cfg.batch_tokens, gen)
 
 
 def make_batch(data: FeatureSet, ids: list[int], cfg: TrainConfig, device):
@@ -69,7 +62,7 @@ def make_batch(data: FeatureSet, ids: list[int], cfg: TrainConfig, device):
     return tokens.to(device), feats.to(device), valid.to(device)
 
 
-def evaluate(method, net, frozen, data: FeatureSet, cfg: TrainConfig) -> dict:
+def evaluate(method: type[TrainedDrafter], net, frozen, data: FeatureSet, cfg: TrainConfig) -> dict:
     net.eval()
     totals, weight = {}, 0
     with torch.no_grad():
@@ -84,8 +77,8 @@ def evaluate(method, net, frozen, data: FeatureSet, cfg: TrainConfig) -> dict:
     return {k: round(v / max(weight, 1), 4) for k, v in totals.items()}
 
 
-def train(method, target, train_set: FeatureSet, val_set: FeatureSet, cfg: TrainConfig, data_meta: dict,
-          out: Path | None = None) -> dict:
+def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: FeatureSet, cfg: TrainConfig,
+          data_meta: dict, out: Path | None = None) -> dict:
     """Train ``method`` (a drafter class) on ``train_set``; save to ``out`` and return its card."""
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -101,7 +94,8 @@ def train(method, target, train_set: FeatureSet, val_set: FeatureSet, cfg: Train
     total_steps = sum(len(p) for p in plan)
     warm = max(1, int(cfg.warmup * total_steps))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total_steps - warm))))
+        opt, lambda s: ((s + 1) / warm if s < warm
+                        else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total_steps - warm)))))
     start, step, history = time.perf_counter(), 0, []
     bar = tqdm(total=total_steps, desc=f"train {method.name}", unit="step")
     for epoch, epoch_batches in enumerate(plan):
@@ -137,7 +131,7 @@ def train(method, target, train_set: FeatureSet, val_set: FeatureSet, cfg: Train
         "draft_vocab": {"size": int(vocab_map.numel()), "train_token_coverage": round(coverage, 4)},
         "history": history,
         "parameters": {"trained": trained, "lm_head_rows_copied": frozen.head.numel(), "extra_total": extra,
-                       "extra_memory_pct": round(100 * extra / target.num_parameters, 2)},
+                       "extra_memory_pct": round(extra_memory_pct(extra, target.num_parameters), 2)},
         "lm_head": "the target's frozen, tied LM head restricted to the draft vocabulary (not trained, not stored)",
         "mtbench": None,
     }

@@ -1,15 +1,13 @@
 """The target's frozen embedding and LM head, restricted to a reduced draft vocabulary.
 
-Trained drafters borrow these instead of shipping private vocab-sized heads (DESIGN §4 allows it).
-The draft vocabulary is the most frequent tokens of the training data: every draft node then pays
-a V'xH head instead of VxH, which is what makes trees affordable on a CPU.
+Trained drafters borrow these instead of shipping private vocab-sized heads (an allowed deviation,
+stated on every card). The draft vocabulary is the most frequent tokens of the training data: every
+draft node then pays a V'xH head instead of VxH, which is what makes trees affordable on a CPU.
 """
 
 from __future__ import annotations
 
 import torch
-
-from specviz.target import final_norm
 
 
 def draft_vocabulary(tokens: torch.Tensor, size: int, vocab_size: int, always=()) -> torch.Tensor:
@@ -23,14 +21,13 @@ def draft_vocabulary(tokens: torch.Tensor, size: int, vocab_size: int, always=()
 
 
 class FrozenTarget:
-    """Embeddings, final norm and the draft-vocabulary rows of the LM head, all frozen."""
+    """Embeddings and the draft-vocabulary rows of the LM head, both frozen."""
 
     def __init__(self, target, vocab_map: torch.Tensor):
         model = target.model
         self.embedding = model.get_input_embeddings()
         self.vocab_map = vocab_map.long().to(target.device)
         self.head = model.get_output_embeddings().weight.detach()[self.vocab_map].clone()  # [V', H]
-        self.norm = final_norm(model)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding(tokens).detach()

@@ -1,8 +1,14 @@
-"""specviz: one speculative-decoding engine behind an interactive comparison app."""
+"""specviz: one speculative-decoding engine behind an interactive comparison app.
 
-from .engine import RunResult, StepRecord, Timings, generate, run
-from .errors import SettingsError, SpecvizError
-from .tree import DraftTree
-from .verify import Sampling
+Three floors, imports only downward: ``specviz.core`` (the engine), ``drafters`` (the methods and their
+training), ``specviz.apps`` (CLI, benchmarks, the race, the web app).
+"""
 
-__all__ = ["DraftTree", "RunResult", "Sampling", "SettingsError", "SpecvizError", "StepRecord", "Timings", "generate", "run"]
+from .core.engine import RunResult, StepRecord, generate, run
+from .core.errors import SettingsError, SpecvizError
+from .core.timing import Timings
+from .core.tree import DraftTree
+from .core.verify import Sampling
+
+__all__ = ["DraftTree", "RunResult", "Sampling", "SettingsError", "SpecvizError", "StepRecord", "Timings",
+           "generate", "run"]

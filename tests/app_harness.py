@@ -20,11 +20,12 @@ def tiny_target_folder(folder: Path) -> Path:
     import torch
     import transformers
 
-    from specviz.load import embedded_folder
+    from specviz.core.load import embedded_folder
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(embedded_folder())
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=2048,
                                       tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
@@ -45,7 +46,8 @@ class RunningApp:
         env = {**os.environ, "GRADIO_SERVER_PORT": str(self.port), "GRADIO_ANALYTICS_ENABLED": "False",
                "SPECVIZ_TARGET": str(target), "PYTHONPATH": str(ROOT)}
         self.log = open(target.parent / f"app-{self.port}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

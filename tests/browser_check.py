@@ -22,7 +22,8 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
 # In-page times (ms) of the Run click, the first token span in the DOM, and every column done.
 CLOCK = """([first, done]) => {
     const clock = window.svClock = {};
-    document.querySelector('#run').addEventListener('click', () => { clock.click = performance.now(); }, {capture: true});
+    document.querySelector('#run').addEventListener(
+        'click', () => { clock.click = performance.now(); }, {capture: true});
     new MutationObserver(() => {
         if (clock.click && !clock.first && document.querySelector(first)) clock.first = performance.now();
         if (clock.first && !clock.done && eval(done)) clock.done = performance.now();
@@ -90,7 +91,8 @@ def main() -> None:
         page.evaluate(CLOCK, [columns, done])
         cpu_before = chromium_cpu_s() if args.cpu else 0.0
         page.locator("#run").click()
-        page.wait_for_function("window.svClock.done", polling=100, timeout=timeout)  # not every frame: that keeps the page drawing
+        # polled every 100 ms, not every frame: that keeps the page drawing
+        page.wait_for_function("window.svClock.done", polling=100, timeout=timeout)
         cpu_s = chromium_cpu_s() - cpu_before if args.cpu else None
         clock = page.evaluate("window.svClock")
         first_token_s, done_s = (clock["first"] - clock["click"]) / 1000, (clock["done"] - clock["click"]) / 1000
@@ -99,7 +101,8 @@ def main() -> None:
         if args.tree:
             page.locator("#tree-method input").click()
             page.get_by_role("option", name=args.tree, exact=True).click()
-            page.wait_for_function(f"[...document.querySelectorAll('#plot-tree .gtitle')].some(t => t.textContent.startsWith('{args.tree}'))",
+            page.wait_for_function("[...document.querySelectorAll('#plot-tree .gtitle')]"
+                                   f".some(t => t.textContent.startsWith('{args.tree}'))",
                                    timeout=timeout)
         seen = {
             "first_token_s": first_token_s,

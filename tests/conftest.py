@@ -14,7 +14,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from specviz.target import TargetModel  # noqa: E402
+from specviz.core.target import TargetModel  # noqa: E402
 
 # The models here are tiny: intra-op threading only adds overhead (and is very slow when the
 # cores are shared with other processes).

@@ -25,8 +25,9 @@ import time
 import urllib.request
 from contextlib import contextmanager
 
-from app_harness import ROOT, free_port
 from gradio_client import Client
+
+from app_harness import ROOT, free_port
 
 PROMPT = "Explain in a short paragraph why the sky is blue."
 
@@ -73,13 +74,15 @@ def browser(url: str, method: str, n: int) -> tuple[float, float, float]:
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "browser_check.py"), url, "--methods", method,
                           "--max-new-tokens", str(n), "--prompt", PROMPT, "--cpu"], capture_output=True, text=True)
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    return tokens_in(seen["heads"][method]) / seen["done_s"], seen["first_token_s"], seen["browser_cpu_s"] / seen["done_s"]
+    return (tokens_in(seen["heads"][method]) / seen["done_s"], seen["first_token_s"],
+            seen["browser_cpu_s"] / seen["done_s"])
 
 
 @contextmanager
 def busy(cores: float):
     """A process that keeps ``cores`` of one core busy (spinning that share of every 10 ms)."""
-    loop = (f"import time\nwhile True:\n    t = time.perf_counter()\n    while time.perf_counter() - t < {0.01 * cores}: pass\n"
+    loop = (f"import time\nwhile True:\n    t = time.perf_counter()\n"
+            f"    while time.perf_counter() - t < {0.01 * cores}: pass\n"
             f"    time.sleep({0.01 * (1 - cores)})")
     proc = subprocess.Popen([sys.executable, "-c", loop])
     try:
@@ -100,10 +103,11 @@ def main() -> None:
         SERVER.update(env={**os.environ, "OMP_NUM_THREADS": "1"}, cores={0})
         os.sched_setaffinity(0, {1})  # this script, its client and chromium
     port = free_port()
-    env = {**SERVER["env"], "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONPATH": str(ROOT)}
+    env = {**SERVER["env"], "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False",
+           "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
-    app = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                           preexec_fn=on_server_cores)
+    app = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.STDOUT, preexec_fn=on_server_cores)
     url = f"http://127.0.0.1:{port}/"
     rows = []
 
@@ -128,7 +132,8 @@ def main() -> None:
                 rate, first = race(client, m, n)
                 note(how="/race", method=m, tok_s=round(rate, 2), first_update_s=round(first, 3))
                 rate, first, cores = browser(url, m, n)
-                note(how="browser", method=m, tok_s=round(rate, 2), first_token_s=round(first, 3), chromium_cores=round(cores, 3))
+                note(how="browser", method=m, tok_s=round(rate, 2), first_token_s=round(first, 3),
+                     chromium_cores=round(cores, 3))
     finally:
         app.terminate()
         app.wait()
@@ -145,7 +150,8 @@ def main() -> None:
             v = statistics.median(r["tok_s"] for r in rows if r["how"] == how and r.get("method") == m)
             print(f"{m:8} {how:15} median {v:6.1f} tok/s  {v / base:.2f}x CLI")
     firsts = sorted(r["first_token_s"] for r in rows if r["how"] == "browser")
-    print(f"first token on screen: {firsts[0]:.2f}-{firsts[-1]:.2f} s, {sum(f < 1 for f in firsts)} of {len(firsts)} under 1 s")
+    print(f"first token on screen: {firsts[0]:.2f}-{firsts[-1]:.2f} s, "
+          f"{sum(f < 1 for f in firsts)} of {len(firsts)} under 1 s")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ def test_a_missing_checkpoint_leaves_the_others_running(client):
 
 
 def test_absurd_settings_are_clamped_with_a_note(client):
-    out = client.predict("Count.", ["ar", "pld"], 100000, 9.0, -3.0, {"pld": {"num_tokens": 10**6}}, api_name="/compare")
+    out = client.predict("Count.", ["ar", "pld"], 100000, 9.0, -3.0, {"pld": {"num_tokens": 10**6}},
+                         api_name="/compare")
     notes = " | ".join(out["notes"])
     assert "max new tokens clamped to 512" in notes and "temperature clamped to 2.0" in notes
     assert "top-p clamped to 0.05" in notes and "pld num_tokens clamped to 64" in notes

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from specviz.background import in_batches
+from specviz.apps.background import in_batches
 
 
 class Steps:

@@ -6,8 +6,9 @@ import pytest
 import transformers
 
 from conftest import make_llama
-from specviz.cli import main
-from specviz.load import embedded_folder
+from specviz.apps.cli import main
+from specviz.core.errors import SettingsError
+from specviz.core.load import embedded_folder
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,8 @@ def test_generate_prints_text_and_metrics(tiny_folder, capsys):
 
 def test_bench_writes_the_documented_fields(tiny_folder, tmp_path):
     questions = tmp_path / "q.jsonl"
-    rows = [{"question_id": i, "category": c, "turns": [f"Repeat after me: {c} {c} {c}."]} for i, c in enumerate(["a", "b"])]
+    rows = [{"question_id": i, "category": c, "turns": [f"Repeat after me: {c} {c} {c}."]}
+            for i, c in enumerate(["a", "b"])]
     questions.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "results.json"
     code = main(["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld,hf",
@@ -41,7 +43,8 @@ def test_bench_writes_the_documented_fields(tiny_folder, tmp_path):
     result = json.loads(out.read_text())
     for name in ("ar", "pld"):
         m = result["methods"][name]
-        for key in ("tau", "tokens_per_s", "speedup", "alpha_conditional", "alpha_unconditional", "identical_to_ar", "prompts"):
+        for key in ("tau", "tokens_per_s", "speedup", "alpha_conditional", "alpha_unconditional", "identical_to_ar",
+                    "prompts"):
             assert key in m
         assert set(m["latency_ms"]) == {"draft", "verify", "accept", "other"}
         assert m["identical_to_ar"] == m["prompts"] == 2
@@ -51,12 +54,12 @@ def test_bench_writes_the_documented_fields(tiny_folder, tmp_path):
 
 def test_bench_saves_each_finished_prompt_before_the_run_ends(tiny_folder, tmp_path, monkeypatch):
     """A run killed at prompt 3 of 3 leaves a results file holding prompts 1 and 2."""
-    import specviz.bench
+    import specviz.apps.bench
 
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(3)))
     out = tmp_path / "results.json"
-    real_run, calls = specviz.bench.run, []
+    real_run, calls = specviz.apps.bench.run, []
 
     def dies_on_the_third_prompt(*args, **kwargs):
         calls.append(1)
@@ -64,7 +67,7 @@ def test_bench_saves_each_finished_prompt_before_the_run_ends(tiny_folder, tmp_p
             raise SystemExit("killed")
         return real_run(*args, **kwargs)
 
-    monkeypatch.setattr(specviz.bench, "run", dies_on_the_third_prompt)
+    monkeypatch.setattr(specviz.apps.bench, "run", dies_on_the_third_prompt)
     with pytest.raises(SystemExit):
         main(["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
               "--max-new-tokens", "6", "--out", str(out)])
@@ -75,13 +78,13 @@ def test_bench_saves_each_finished_prompt_before_the_run_ends(tiny_folder, tmp_p
 
 def test_a_killed_bench_resumes_where_it_stopped(tiny_folder, tmp_path, monkeypatch):
     """Killed at prompt 3 of 3, then --resume: only prompt 3 runs, and the results equal an unbroken run's."""
-    import specviz.bench
+    import specviz.apps.bench
 
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(3)))
     command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
                "--max-new-tokens", "6"]
-    real_run, calls = specviz.bench.run, []
+    real_run, calls = specviz.apps.bench.run, []
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -89,7 +92,7 @@ def test_a_killed_bench_resumes_where_it_stopped(tiny_folder, tmp_path, monkeypa
             raise SystemExit("killed")
         return real_run(*args, **kwargs)
 
-    monkeypatch.setattr(specviz.bench, "run", counted)
+    monkeypatch.setattr(specviz.apps.bench, "run", counted)
     out, log = tmp_path / "results.json", tmp_path / "results.json.runs"
     kill_after = 2 * 2 + 2  # warm-up (2 methods), then 2 prompts x 2 methods
     with pytest.raises(SystemExit):
@@ -105,7 +108,8 @@ def test_a_killed_bench_resumes_where_it_stopped(tiny_folder, tmp_path, monkeypa
     resumed, unbroken = json.loads(out.read_text()), json.loads((tmp_path / "unbroken.json").read_text())
     assert not resumed["interrupted"]
     keep = ("id", "prompt_tokens")
-    assert [{k: r[k] for k in keep} for r in resumed["per_prompt"]] == [{k: r[k] for k in keep} for r in unbroken["per_prompt"]]
+    assert ([{k: r[k] for k in keep} for r in resumed["per_prompt"]]
+            == [{k: r[k] for k in keep} for r in unbroken["per_prompt"]])
     for label in ("ar", "pld"):
         for field in ("prompts", "new_tokens", "identical_to_ar", "tau", "alpha_conditional"):
             assert resumed["methods"][label][field] == unbroken["methods"][label][field], (label, field)
@@ -118,9 +122,9 @@ def test_resume_needs_the_log_of_the_same_command(tiny_folder, tmp_path, monkeyp
                "--out", str(tmp_path / "r.json")]
     assert main([*command, "--resume"]) == 2
     assert "nothing to resume" in capsys.readouterr().err
-    import specviz.bench
+    import specviz.apps.bench
 
-    monkeypatch.setattr(specviz.bench, "run", lambda *a, **k: (_ for _ in ()).throw(SystemExit("killed")))
+    monkeypatch.setattr(specviz.apps.bench, "run", lambda *a, **k: (_ for _ in ()).throw(SystemExit("killed")))
     with pytest.raises(SystemExit):
         main([*command, "--max-new-tokens", "6"])
     monkeypatch.undo()
@@ -154,7 +158,8 @@ def test_train_rejects_untrained_methods_and_missing_checkpoints(tiny_folder, tm
 
 def test_profile_curve(tiny_folder, tmp_path, capsys):
     out = tmp_path / "profile.json"
-    assert main(["profile", "--target", tiny_folder, "--context", "16", "--max-size", "8", "--repeats", "1", "--out", str(out)]) == 0
+    assert main(["profile", "--target", tiny_folder, "--context", "16", "--max-size", "8", "--repeats", "1",
+                 "--out", str(out)]) == 0
     curve = json.loads(out.read_text())["curve"]
     assert [r["tokens"] for r in curve] == [1, 2, 4, 8] and all(r["ms"] > 0 for r in curve)
 
@@ -194,7 +199,8 @@ def test_report_renders_a_bench_file(tiny_folder, tmp_path, capsys):
 
 
 def test_cards_name_results_files_without_machine_paths(tmp_path):
-    from drafters.checkpoint import REPO, read_card, record_benchmark
+    from drafters.checkpoint import REPO, read_card
+    from specviz.apps.bench import record_benchmark
 
     folder = tmp_path / "ckpt"
     folder.mkdir()
@@ -207,3 +213,32 @@ def test_cards_name_results_files_without_machine_paths(tmp_path):
         assert record_benchmark(results, str(source)) == [folder]
         entry = read_card(folder)["mtbench"][label]
         assert entry["results_file"] == named and entry["tau"] == 1.5
+
+
+def test_profile_uses_its_own_cache_and_times_each_size(tiny_target):
+    from specviz.apps.profile import profile
+
+    target = tiny_target(vocab_size=32, seed=0)
+    result = profile(target, context=8, sizes=(1, 2, 4), repeats=2)
+    assert [r["tokens"] for r in result["curve"]] == [1, 2, 4] and result["curve"][0]["relative_to_1"] == 1.0
+    assert result["context"] == 8 and result["dtype"] == "float32"
+    with pytest.raises(SettingsError, match="context must be in"):
+        profile(target, context=0)
+
+
+def test_run_log_keeps_finished_prompts_and_drops_a_torn_one(tmp_path):
+    from specviz.apps.bench import PromptRun
+    from specviz.apps.runlog import RunLog
+
+    path = tmp_path / "results.json.runs"
+    log = RunLog(path, {"methods": ["ar"], "max new tokens": 8})
+    log.start()
+    log.append({"ar": PromptRun([1, 2], 0.5)})
+    log.append({"ar": PromptRun([3], 0.25)})
+    size = path.stat().st_size
+    with path.open("ab") as f:
+        f.write(b"\x80\x04torn")  # a prompt cut short by a kill
+    runs = RunLog(path, {"methods": ["ar"], "max new tokens": 8}).resume()
+    assert [r.output for r in runs["ar"]] == [[1, 2], [3]] and path.stat().st_size == size
+    with pytest.raises(SettingsError, match="other max new tokens"):
+        RunLog(path, {"methods": ["ar"], "max new tokens": 16}).resume()

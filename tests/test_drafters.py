@@ -9,11 +9,12 @@ import torch
 import transformers
 
 from drafters import build_drafter
-from drafters.base import DraftRequest
+from drafters.chain_lm import ChainLMDrafter
 from drafters.pld import PromptLookupSettings, lookup
 from drafters.sps import AssistantDrafter, AssistantSettings
-from specviz.target import TargetModel
-from specviz.verify import Sampling, probabilities
+from specviz.core.protocol import DraftRequest
+from specviz.core.target import TargetModel
+from specviz.core.verify import Sampling, probabilities
 
 
 def brute_lookup(tokens: list[int], num_tokens: int, max_ngram: int, min_ngram: int, limit: int) -> list[int]:
@@ -123,3 +124,17 @@ def test_chain_drafter_incremental_equals_fresh(kind, greedy, tiny_llama):
             assert float(tree.child_dists[-1].abs().sum()) == 0.0
     # the target model itself was left intact by the skip view
     assert len(target.model.get_decoder().layers) == 4 and target.model.config.num_hidden_layers == 4
+
+
+def test_chain_lm_keeps_only_the_shared_prefix_cached(tiny_llama):
+    """After the sequence changes (rejected drafts), only the tokens both sequences share stay cached."""
+    target = TargetModel(tiny_llama(24, seed=0, num_layers=4))
+    drafter = build_drafter("skip", target, layers=2, num_tokens=3)
+    assert isinstance(drafter, ChainLMDrafter)
+    greedy = Sampling()
+    drafter.propose(DraftRequest([1, 2, 3, 4, 5], 3, greedy))
+    assert drafter.cached[:5] == [1, 2, 3, 4, 5] and drafter.cache.get_seq_length() == len(drafter.cached)
+    drafter.propose(DraftRequest([1, 2, 3, 9, 9, 9], 3, greedy))  # diverges after three tokens
+    assert drafter.cached[:6] == [1, 2, 3, 9, 9, 9] and drafter.cache.get_seq_length() == len(drafter.cached)
+    drafter.reset()
+    assert drafter.cached == [] and drafter.cache.get_seq_length() == 0

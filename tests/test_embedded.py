@@ -6,15 +6,15 @@ import torch
 from drafters import build_drafter
 from drafters.skip import truncated_view
 from drafters.sps import AssistantDrafter, AssistantSettings
-from specviz.data import load_questions
-from specviz.engine import run
+from specviz.apps.questions import load_questions
+from specviz.core.engine import run
 
 NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
 def target():
-    from specviz.load import load_target
+    from specviz.core.load import load_target
 
     return load_target(None, "float32", "cpu")
 
@@ -76,7 +76,7 @@ TAU_FLOORS = {"eagle2": 1.2, "hass": 1.2, "fspad": 1.2, "medusa": 1.05, "redraft
 
 @pytest.mark.parametrize("method", sorted(TAU_FLOORS))
 def test_shipped_checkpoint_beats_floor_and_equals_ar(target, method):
-    from specviz.metrics import summarize
+    from specviz.core.metrics import summarize
 
     drafter = build_drafter(method, target)  # the checkpoint in assets/drafters/<method>
     ar = build_drafter("ar", target)

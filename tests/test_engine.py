@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 import random
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,13 +15,13 @@ import drafters
 from conftest import chi2_pvalue, train_tiny_drafter
 from drafters import build_drafter
 from drafters.ar import AutoregressiveDrafter
-from drafters.base import Drafter, DraftRequest
 from drafters.pld import PromptLookupSettings
 from drafters.sps import AssistantDrafter, AssistantSettings
-from specviz.engine import generate, run
-from specviz.target import TargetModel
-from specviz.tree import DraftTree
-from specviz.verify import Sampling
+from specviz.core.engine import generate, run
+from specviz.core.protocol import Drafter, DraftRequest
+from specviz.core.target import TargetModel
+from specviz.core.tree import DraftTree
+from specviz.core.verify import Sampling
 
 VOCAB = 32
 
@@ -141,7 +141,8 @@ def test_pld_greedy(settings, target, ar_outputs):
     nonempty = sum(1 for res in results for r in res.records if len(r.tree))
     drafted, accepted = drafted_and_accepted(results)
     assert nonempty > 0 and accepted > 0, "prompt lookup never proposed/accepted anything"
-    assert all(len(r.tree) <= settings.get("num_tokens", PromptLookupSettings().num_tokens) for res in results for r in res.records)
+    assert all(len(r.tree) <= settings.get("num_tokens", PromptLookupSettings().num_tokens)
+               for res in results for r in res.records)
 
 
 @pytest.mark.parametrize("layers, num_tokens", list(itertools.product([1, 2, 3], [1, 2, 3, 4, 5])))
@@ -436,8 +437,8 @@ def test_trained_tree_sampling_matches_target_distribution(method, settings, sam
 def test_end_to_end_chi_square_has_power(sampling_target, exact_distributions, tiny_llama, monkeypatch):
     """Negative control: an engine whose rejection forgets the residual max(p - q, 0) (it resamples
     from p after a rejection) is caught by the same check, with fewer runs."""
-    import specviz.engine as engine
-    from specviz.verify import Acceptance, probabilities
+    import specviz.core.engine as engine
+    from specviz.core.verify import Acceptance, probabilities
 
     def no_residual(tree, logits, s, gen=None):
         node, path = 0, []
@@ -454,6 +455,7 @@ def test_end_to_end_chi_square_has_power(sampling_target, exact_distributions, t
     monkeypatch.setattr(engine, "accept", no_residual)
     assistant = tiny_llama(SMALL_V, seed=4, num_layers=2, std=0.1)
     settings = AssistantSettings(num_tokens=3)
-    outputs = sample_outputs(sampling_target, lambda seed: AssistantDrafter(sampling_target, settings, model=assistant), 600)
+    outputs = sample_outputs(sampling_target, lambda seed: AssistantDrafter(sampling_target, settings, model=assistant),
+                             600)
     pvalues = target_pvalues(outputs, exact_distributions)
     assert min(pvalues.values()) < 1e-6, pvalues

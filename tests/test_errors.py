@@ -7,15 +7,15 @@ import pytest
 from drafters import build_drafter
 from drafters.ar import AutoregressiveDrafter
 from drafters.sps import AssistantDrafter, AssistantSettings
-from specviz.engine import run
-from specviz.errors import SettingsError, SpecvizError
-from specviz.load import LoadError, load_target, resolve_dtype
-from specviz.verify import Sampling
+from specviz.core.engine import run
+from specviz.core.errors import SettingsError, SpecvizError
+from specviz.core.load import LoadError, load_target, resolve_dtype
+from specviz.core.verify import Sampling
 
 
 @pytest.fixture(scope="module")
 def target(tiny_llama):
-    from specviz.target import TargetModel
+    from specviz.core.target import TargetModel
 
     return TargetModel(tiny_llama(32, seed=0, num_layers=4, max_positions=16))
 

@@ -13,18 +13,18 @@ from safetensors.torch import load_file
 
 from conftest import train_tiny_drafter
 from drafters import build_drafter
-from drafters.base import Commit, DraftRequest
 from drafters.checkpoint import CheckpointError
 from drafters.heads import DEPTH, beam_search, chain_loss, teacher_forced
 from drafters.medusa import MedusaHeads, tree_choices
 from drafters.redrafter import RecurrentHead
 from drafters.semi_ar import FixedAttentionLM, LstmLM
-from specviz.engine import run
-from specviz.errors import SettingsError
-from specviz.metrics import summarize
-from specviz.target import TargetModel
-from specviz.tree import DraftTree
-from specviz.verify import Sampling
+from specviz.core.engine import run
+from specviz.core.errors import SettingsError
+from specviz.core.metrics import summarize
+from specviz.core.protocol import Commit, DraftRequest
+from specviz.core.target import TargetModel
+from specviz.core.tree import DraftTree
+from specviz.core.verify import Sampling
 
 VOCAB, HIDDEN = 64, 64
 METHODS = ("medusa", "redrafter", "semi-attn", "semi-lstm")
@@ -305,11 +305,12 @@ def test_redrafter_tree_is_its_beams_merged_and_verified_once(target, checkpoint
     r = max(steps, key=lambda s: s.tree.info["compression"])
     history = prompt + [t for rec in result.records[: r.step] for t in rec.tokens]
     root = history[-1]
-    target.prefill(history[:-1])
-    merged, _ = target.verify(root, r.tree)
+    cache = target.new_cache()
+    target.prefill(history[:-1], cache)
+    merged, _ = target.verify(root, r.tree, cache)
     for beam, nodes in zip(r.tree.info["beams"], r.tree.info["beam_nodes"]):
-        target.prefill(history[:-1])
-        alone, _ = target.verify(root, DraftTree.chain(beam))
+        target.prefill(history[:-1], cache)
+        alone, _ = target.verify(root, DraftTree.chain(beam), cache)
         torch.testing.assert_close(merged[[0] + nodes.tolist()], alone, atol=1e-4, rtol=1e-4)
 
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from drafters import build_drafter
-from drafters.base import Drafter, DraftRequest
-from specviz import race as race_module
-from specviz import render
-from specviz.engine import run
-from specviz.errors import SettingsError
-from specviz.race import race
-from specviz.tree import DraftTree
+from specviz.apps import race as race_module
+from specviz.apps import render
+from specviz.apps.race import race
+from specviz.core.engine import run
+from specviz.core.errors import SettingsError
+from specviz.core.protocol import Drafter, DraftRequest
+from specviz.core.tree import DraftTree
 
 PROMPT = [3, 9, 4, 1, 7]
 
@@ -71,7 +71,8 @@ def test_the_lane_furthest_behind_always_moves(target, monkeypatch):
         clocks[lane.label] = lane.clock
         lanes[lane.label] = lane
         order.append(lane.label)
-    assert clocks["slow"] == pytest.approx(3.0 * 10) and clocks["fast"] == pytest.approx(10.0)  # no draft on the last step
+    assert (clocks["slow"] == pytest.approx(3.0 * 10)
+            and clocks["fast"] == pytest.approx(10.0))  # no draft on the last step
     # while both run, the fast lane (a third of the cost per step) takes about three steps per slow one
     both = order[: order.index("slow", 8)]
     assert both.count("fast") >= 2 * both.count("slow")
@@ -86,31 +87,34 @@ def test_a_failing_lane_stops_alone(target):
     assert len(lanes["ar"].output_ids) == 20 and lanes["ar"].error is None
 
 
-def test_race_restores_the_targets_cache(target):
-    target.prefill([1, 2, 3])
-    before = target.cache
+def test_race_leaves_other_decodes_caches_alone(target):
+    cache = target.new_cache()
+    target.prefill([1, 2, 3], cache)
+    before = [layer.keys.clone() for layer in cache.layers]
     for _ in race(target, {"ar": build_drafter("ar", target)}, PROMPT, 5):
         pass
-    assert target.cache is before
+    assert cache.get_seq_length() == 3
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(cache.layers, before))
 
 
 # -- rendering ------------------------------------------------------------------------------------
 
 def fake_record(step=1):
-    from specviz.engine import StepRecord
+    from specviz.core.engine import StepRecord
 
     tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 0]), torch.log(torch.tensor([0.5, 0.25, 0.2])))
     return StepRecord(step, tree, [1], [5, 9], 9, torch.tensor([0.9, 0.1, 0.05]), 0.7)
 
 
-def test_tokens_html_colours_hovers_and_escapes():
+def test_step_html_colours_hovers_and_escapes():
     decode = {5: "<b>", 6: "x", 7: "y", 9: "&"}.get
-    body = render.tokens_html([fake_record()], lambda ids: decode(ids[0]), show_rejected=True)
-    assert '<span class="sv-acc" title="step 1 · depth 1 · accepted draft · draft p 0.500 · target p 0.900">&lt;b&gt;</span>' in body
+    body = render.step_html(fake_record(), lambda ids: decode(ids[0]), show_rejected=True)
+    assert ('<span class="sv-acc" title="step 1 · depth 1 · accepted draft · draft p 0.500 · target p 0.900">'
+            '&lt;b&gt;</span>' in body)
     assert 'class="sv-rej"' in body and ">x<" in body  # node 2 (child of the accepted node 1) was rejected
     assert ">y<" not in body  # node 3 is not a child of the last accepted node
     assert 'class="sv-bonus"' in body and "&amp;" in body and "target correction token" in body
-    assert "sv-rej" not in render.tokens_html([fake_record()], lambda ids: decode(ids[0]), show_rejected=False)
+    assert "sv-rej" not in render.step_html(fake_record(), lambda ids: decode(ids[0]), show_rejected=False)
 
 
 def test_tree_figure_marks_the_accepted_path():
@@ -122,7 +126,7 @@ def test_tree_figure_marks_the_accepted_path():
 
 
 def test_tree_figure_shows_beams_before_dedup_for_beam_drafters():
-    from specviz.engine import StepRecord
+    from specviz.core.engine import StepRecord
 
     beams = torch.tensor([[5, 6, 7], [5, 6, 8], [9, 6, 7]])  # two beams share the prefix 5 6
     tree = DraftTree.from_beams(beams)
@@ -138,5 +142,5 @@ def test_tree_figure_shows_beams_before_dedup_for_beam_drafters():
 
 def test_newlines_and_empty_tokens_stay_visible():
     record = fake_record()
-    body = render.tokens_html([record], lambda ids: {5: "\n", 9: ""}.get(ids[0], "?"))
+    body = render.step_html(record, lambda ids: {5: "\n", 9: ""}.get(ids[0], "?"), show_rejected=False)
     assert "↵\n</span>" in body and ">∅</span>" in body

@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
-from specviz.errors import SpecvizError
-from specviz.target import TargetError, TargetModel
-from specviz.tree import DraftTree
+from specviz.core.errors import SpecvizError
+from specviz.core.target import TargetError
+from specviz.core.tree import DraftTree
 
 
-def cache_kv(target: TargetModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys.clone(), layer.values.clone()) for layer in target.cache.layers]
+def cache_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
 
 
 def assert_cache_equal(got, expected) -> None:
@@ -39,29 +39,31 @@ def fixed_tree(seed: int) -> DraftTree:
 @pytest.mark.parametrize("path", PREFIX_PATHS + GATHER_PATHS, ids=str)
 def test_commit_equals_fresh_prefill(path, tiny_target, ref_logits):
     target = tiny_target(vocab_size=32, seed=1)
+    cache = target.new_cache()
     prompt = [5, 9, 2, 7, 7, 1, 30]
     root = 11
     tree = fixed_tree(3)
     assert all(1 <= n <= len(tree) for n in path)
     for a, b in zip([0] + path, path):  # the path is a real root-to-node walk
         assert int(tree.parents[b - 1]) == a
-    target.prefill(prompt)
-    past = target.past_length
-    target.verify(root, tree)
-    target.commit(past, [0] + path)
+    target.prefill(prompt, cache)
+    past = cache.get_seq_length()
+    target.verify(root, tree, cache)
+    target.commit(cache, past, [0] + path)
     accepted = [int(tree.tokens[n - 1]) for n in path]
-    assert target.past_length == len(prompt) + 1 + len(path)
-    committed = cache_kv(target)
+    assert cache.get_seq_length() == len(prompt) + 1 + len(path)
+    committed = cache_kv(cache)
 
     # the cache after commit is the cache of a fresh prefill over the accepted sequence
     fresh = tiny_target(vocab_size=32, seed=1)
-    fresh.prefill(prompt + [root] + accepted)
-    assert_cache_equal(committed, cache_kv(fresh))
+    fresh_cache = fresh.new_cache()
+    fresh.prefill(prompt + [root] + accepted, fresh_cache)
+    assert_cache_equal(committed, cache_kv(fresh_cache))
 
     # and the next verify sees exactly that sequence
     nxt = 4
     tree2 = DraftTree(torch.tensor([3, 8, 3]), torch.tensor([0, 1, 0]))
-    logits, _ = target.verify(nxt, tree2)
+    logits, _ = target.verify(nxt, tree2, cache)
     seq = prompt + [root] + accepted + [nxt]
     for node, extra in [(0, []), (1, [3]), (2, [3, 8]), (3, [3])]:
         torch.testing.assert_close(logits[node], ref_logits(target.model, seq + extra)[-1], atol=1e-4, rtol=1e-4)
@@ -72,8 +74,9 @@ def test_many_rounds_of_verify_and_commit(seed, tiny_target, ref_logits):
     """Random trees, random accepted paths, many rounds: every verify equals a cache-free forward."""
     rng = random.Random(seed)
     target = tiny_target(vocab_size=32, seed=seed)
+    cache = target.new_cache()
     seq = [rng.randrange(32) for _ in range(rng.randint(1, 6))]
-    target.prefill(seq)
+    target.prefill(seq, cache)
     root = rng.randrange(32)
     for _ in range(8):
         n = rng.randint(0, 10)
@@ -81,9 +84,9 @@ def test_many_rounds_of_verify_and_commit(seed, tiny_target, ref_logits):
             torch.tensor([rng.randrange(32) for _ in range(n)], dtype=torch.long),
             torch.tensor([rng.randint(0, i) for i in range(n)], dtype=torch.long),
         )
-        past = target.past_length
+        past = cache.get_seq_length()
         assert past == len(seq)
-        logits, _ = target.verify(root, tree)
+        logits, _ = target.verify(root, tree, cache)
         # random root-to-node path, sometimes the root alone
         node = rng.randint(0, n)
         path = []
@@ -94,49 +97,52 @@ def test_many_rounds_of_verify_and_commit(seed, tiny_target, ref_logits):
         tokens = [int(tree.tokens[i - 1]) for i in path]
         expected = ref_logits(target.model, seq + [root] + tokens)
         torch.testing.assert_close(logits[[0] + path], expected[len(seq):], atol=1e-4, rtol=1e-4)
-        target.commit(past, [0] + path)
+        target.commit(cache, past, [0] + path)
         seq = seq + [root] + tokens
         root = rng.randrange(32)
-    assert target.past_length == len(seq)
+    assert cache.get_seq_length() == len(seq)
 
 
 def test_features_match_sequential_prefill(tiny_target):
     target = tiny_target(vocab_size=32, seed=2)
+    cache = target.new_cache()
     prompt = [1, 2, 3, 4]
     tree = fixed_tree(0)
-    _, prefill_feats = target.prefill(prompt)
+    _, prefill_feats = target.prefill(prompt, cache)
     assert prefill_feats.shape == (len(prompt), 64)
-    _, feats = target.verify(9, tree)
+    _, feats = target.verify(9, tree, cache)
     for node in range(len(tree) + 1):
         path, n = [], node
         while n:
             path.append(int(tree.tokens[n - 1]))
             n = int(tree.parents[n - 1])
         other = tiny_target(vocab_size=32, seed=2)
-        _, f = other.prefill(prompt + [9] + path[::-1])
+        _, f = other.prefill(prompt + [9] + path[::-1], other.new_cache())
         torch.testing.assert_close(feats[node], f[-1], atol=1e-4, rtol=1e-4)
 
 
 def test_prefill_resets_cache(tiny_target):
     target = tiny_target(vocab_size=32, seed=0)
-    target.prefill([1, 2, 3, 4, 5])
-    target.verify(1, fixed_tree(0))
-    target.prefill([7, 8])
-    assert target.past_length == 2
+    cache = target.new_cache()
+    target.prefill([1, 2, 3, 4, 5], cache)
+    target.verify(1, fixed_tree(0), cache)
+    target.prefill([7, 8], cache)
+    assert cache.get_seq_length() == 2
 
 
 def test_context_limits(tiny_target):
     target = tiny_target(vocab_size=32, seed=0, max_positions=16)
+    cache = target.new_cache()
     assert target.max_length == 16
     with pytest.raises(TargetError, match="empty"):
-        target.prefill([])
+        target.prefill([], cache)
     with pytest.raises(TargetError, match="context"):
-        target.prefill(list(range(16)))
-    target.prefill(list(range(12)))
-    target.verify(1, DraftTree.chain([1, 2, 3]))  # positions 12..15: fits
-    target.commit(12, [0])
+        target.prefill(list(range(16)), cache)
+    target.prefill(list(range(12)), cache)
+    target.verify(1, DraftTree.chain([1, 2, 3]), cache)  # positions 12..15: fits
+    target.commit(cache, 12, [0])
     with pytest.raises(TargetError, match="exceeds the context"):
-        target.verify(1, DraftTree.chain([1, 2, 3, 4]))  # would need positions 13..17
+        target.verify(1, DraftTree.chain([1, 2, 3, 4]), cache)  # would need positions 13..17
     assert issubclass(TargetError, SpecvizError)
 
 

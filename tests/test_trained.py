@@ -15,16 +15,18 @@ from transformers import DynamicCache
 
 from conftest import train_tiny_drafter
 from drafters import build_drafter, corpus
-from drafters.base import Commit, Drafter, DraftRequest
 from drafters.checkpoint import CheckpointError
-from drafters.eagle2 import (Eagle2Drafter, FeatureNet, additive_mask, aligned_mask, aligned_passes, layer_config,
-                             topk_distill_loss)
+from drafters.eagle2 import Eagle2Drafter, FeatureNet, aligned_mask, aligned_passes, layer_config, topk_distill_loss
 from drafters.fspad import FspadDrafter
 from drafters.hass import HassDrafter
-from specviz.engine import run
-from specviz.errors import SpecvizError
-from specviz.target import TargetModel, final_norm
-from specviz.verify import Sampling
+from drafters.trained import TrainedDrafter
+from drafters.vocab_head import FrozenTarget, draft_vocabulary
+from specviz.core.engine import run
+from specviz.core.errors import SpecvizError
+from specviz.core.protocol import Commit, Drafter, DraftRequest
+from specviz.core.target import TargetModel
+from specviz.core.tree import additive_mask
+from specviz.core.verify import Sampling
 
 VOCAB, HIDDEN = 64, 64
 METHODS = ("eagle2", "hass", "fspad")
@@ -343,7 +345,7 @@ def test_dynamic_tree_keeps_the_best_candidates(depth, top_k, total, target, che
     for max_depth, tree, every in twin.log:
         d = min(depth, max_depth)
         count = top_k + (d - 1) * top_k * top_k  # top_k roots, then top_k frontier nodes x top_k children
-        assert len(every) == every.info["candidates"] == tree.info["candidates"] == count
+        assert len(every) == count  # the full tree keeps every candidate
         check_tree_shape(every, d, 256)
         check_tree_shape(tree, d, total)
         assert len(tree) == min(total, count)
@@ -369,8 +371,9 @@ def test_dynamic_tree_keeps_the_best_candidates(depth, top_k, total, target, che
 
 @torch.inference_mode()
 def show_prompt(drafter, target, prompt):
-    """Prefill the target and let the drafter observe the prompt; returns (pre-norm features, sequence + root)."""
-    logits, feats = target.prefill(prompt)
+    """Prefill the target and let the drafter observe the prompt; returns (its features, sequence + root)."""
+    cache = target.new_cache()
+    logits, feats = target.prefill(prompt, cache)
     first = int(logits.argmax())
     drafter.reset()
     drafter.observe(Commit(torch.tensor(prompt), feats, first))
@@ -384,7 +387,7 @@ def drafted_logp(drafter, target, feats, seq, path=()):
     with each token of ``path``, one position at a time."""
     net, emb, t = drafter.net, target.model.get_input_embeddings(), len(seq) - 1
     cache = DynamicCache()
-    head_in, feature = net(final_norm(target.model)(feats)[None], emb(torch.tensor(seq[1:]))[None],
+    head_in, feature = net(feats[None], emb(torch.tensor(seq[1:]))[None],
                            torch.arange(t)[None], causal(t), cache)
     head_in, feature = head_in[:, -1:], feature[:, -1:]
     for i, tok in enumerate(path):
@@ -489,6 +492,43 @@ def llama_target(vocab: int, hidden: int) -> TargetModel:
                                       max_position_embeddings=256, tie_word_embeddings=True)
     torch.manual_seed(0)
     return TargetModel(transformers.LlamaForCausalLM(config).float().eval())
+
+
+def test_every_trained_method_is_a_trained_drafter_and_the_protocol_is_declared():
+    from drafters import METHODS as ALL
+
+    trained = {name for name, (cls, _) in ALL.items() if cls.trained}
+    assert trained == {name for name, (cls, _) in ALL.items() if issubclass(cls, TrainedDrafter)}
+    assert {"eagle2", "hass", "fspad", "medusa", "redrafter", "semi-attn", "semi-lstm"} == trained
+    with pytest.raises(NotImplementedError):
+        TrainedDrafter.new_network(None)
+    with pytest.raises(NotImplementedError):
+        TrainedDrafter.training_loss(None, None, None, None, None)
+
+
+def test_trained_drafter_takes_the_targets_features_as_they_are(target, checkpoints):
+    """Commit.features are the final-norm output: the drafter only moves them, it never normalises again."""
+    drafter = load(target, checkpoints, "eagle2")
+    feats = torch.randn(3, HIDDEN, dtype=torch.float64)
+    moved = drafter.features(Commit(torch.tensor([1, 2, 3]), feats, 4))
+    assert moved.dtype == target.dtype and torch.equal(moved, feats.to(target.dtype))
+    assert drafter.num_parameters() == sum(p.numel() for p in drafter.net.parameters()) + drafter.frozen.head.numel()
+
+
+def test_draft_vocabulary_is_the_most_frequent_tokens_plus_the_forced_ones():
+    tokens = torch.tensor([5, 5, 5, 2, 2, 9, 1, 1, 1, 1])
+    assert draft_vocabulary(tokens, 2, 12).tolist() == [1, 5]  # sorted ids of the two most frequent
+    assert draft_vocabulary(tokens, 2, 12, always=[11]).tolist() == [1, 11]
+    assert draft_vocabulary(tokens, 0, 12).tolist() == list(range(12))
+
+
+def test_frozen_target_head_is_the_targets_rows(target):
+    vocab_map = torch.tensor([0, 3, 7, 40])
+    frozen = FrozenTarget(target, vocab_map)
+    x = torch.randn(2, HIDDEN)
+    full = target.model.get_output_embeddings()(x)
+    torch.testing.assert_close(frozen.logits(x), full[:, vocab_map])
+    torch.testing.assert_close(frozen.embed(torch.tensor([3])), target.model.get_input_embeddings()(torch.tensor([3])))
 
 
 def test_missing_checkpoint(target, tmp_path):

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from specviz.errors import SettingsError, SpecvizError
-from specviz.tree import DraftTree, TreeError
+from specviz.core.errors import SettingsError, SpecvizError
+from specviz.core.tree import DraftTree, TreeError
 
 
 def random_tree(rng: random.Random, vocab: int, max_nodes: int = 14) -> DraftTree:
@@ -127,13 +127,14 @@ def test_verify_logits_match_sequential_decoding(seed, tiny_target, ref_logits):
         prompt = [rng.randrange(32) for _ in range(rng.randint(1, 12))]
         root = rng.randrange(32)
         tree = random_tree(rng, vocab=32 if rng.random() < 0.5 else 3)  # small vocab: repeated tokens
-        target.prefill(prompt)
-        past = target.past_length
+        cache = target.new_cache()
+        target.prefill(prompt, cache)
+        past = cache.get_seq_length()
         assert past == len(prompt)
-        logits, feats = target.verify(root, tree)
+        logits, feats = target.verify(root, tree, cache)
         assert logits.shape == (len(tree) + 1, 32)
         assert feats.shape[0] == len(tree) + 1
-        assert target.past_length == past + len(tree) + 1
+        assert cache.get_seq_length() == past + len(tree) + 1
         for node in range(len(tree) + 1):
             seq = prompt + [root] + path_tokens(tree, node)
             expected = ref_logits(target.model, seq)[-1]
@@ -146,12 +147,13 @@ def test_verify_matches_incremental_cache_decoding(tiny_target):
     rng = random.Random(7)
     prompt = [rng.randrange(32) for _ in range(9)]
     tree = random_tree(rng, vocab=4, max_nodes=16)
-    target.prefill(prompt)
-    logits, _ = target.verify(3, tree)
+    cache = target.new_cache()
+    target.prefill(prompt, cache)
+    logits, _ = target.verify(3, tree, cache)
     for node in range(len(tree) + 1):
-        target.prefill(prompt)
+        target.prefill(prompt, cache)
         for tok in [3] + path_tokens(tree, node):
-            step, _ = target.verify(tok, DraftTree.empty())
+            step, _ = target.verify(tok, DraftTree.empty(), cache)
         torch.testing.assert_close(logits[node], step[0], atol=1e-4, rtol=1e-4)
 
 
@@ -217,10 +219,11 @@ def test_dedup_tree_gives_same_logits_as_each_beam(seed, tiny_target):
     beams = torch.tensor([[rng.randrange(3) for _ in range(5)] for _ in range(6)])
     tree = DraftTree.from_beams(beams)
     assert len(tree) < beams.numel()  # something was actually shared
-    target.prefill(prompt)
-    merged, _ = target.verify(root, tree)
+    cache = target.new_cache()
+    target.prefill(prompt, cache)
+    merged, _ = target.verify(root, tree, cache)
     for i in range(beams.shape[0]):
-        target.prefill(prompt)
-        chain, _ = target.verify(root, DraftTree.chain(beams[i]))
+        target.prefill(prompt, cache)
+        chain, _ = target.verify(root, DraftTree.chain(beams[i]), cache)
         nodes = [0] + tree.info["beam_nodes"][i].tolist()
         torch.testing.assert_close(merged[nodes], chain, atol=1e-4, rtol=1e-4)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import chi2_pvalue
-from specviz.errors import SettingsError
-from specviz.tree import DraftTree
-from specviz.verify import Acceptance, Sampling, accept, probabilities
+from specviz.core.errors import SettingsError
+from specviz.core.tree import DraftTree
+from specviz.core.verify import Acceptance, Sampling, accept, probabilities
 
 # -- greedy --------------------------------------------------------------------------------------
 

@@ -7,27 +7,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-
-from drafters.base import Commit, Drafter, DraftRequest
+from transformers import DynamicCache
 
 from .errors import SettingsError
+from .protocol import Commit, Drafter, DraftRequest
 from .target import TargetModel
+from .timing import PhaseTimer, Timings
 from .tree import DraftTree
 from .verify import Sampling, accept, probabilities
-
-
-@dataclass
-class Timings:
-    """Seconds per phase of one step: drafter compute, target forward, acceptance + cache commit."""
-
-    draft: float = 0.0
-    verify: float = 0.0
-    accept: float = 0.0
-    other: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.draft + self.verify + self.accept + self.other
 
 
 @dataclass
@@ -47,16 +34,9 @@ class StepRecord:
         return len(self.path)
 
 
-class Clock:
-    """perf_counter that waits for the GPU first, so phases are charged to the right timer."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+def output_ids(records: list[StepRecord]) -> list[int]:
+    """Every token the records emitted, in order."""
+    return [t for r in records for t in r.tokens]
 
 
 def check_request(target: TargetModel, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -86,13 +66,16 @@ def generate(
     max_new_tokens: int = 128,
     sampling: Sampling | None = None,
     stop_on_eos: bool = True,
+    cache: DynamicCache | None = None,
 ) -> Iterator[StepRecord]:
-    """Yield one StepRecord for the prefill and one per verify step until EOS or the token limit."""
+    """Yield one StepRecord for the prefill and one per verify step until EOS or the token limit.
+
+    The run's KV cache is ``cache`` (emptied first) or a new one; nothing else touches it."""
     sampling = sampling or Sampling()
     check_request(target, prompt_ids, max_new_tokens)
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     eos = target.eos_token_ids if stop_on_eos else set()
-    clock = Clock(target.device)
+    cache = target.new_cache() if cache is None else cache
 
     def finish(new: list[int], produced: int) -> tuple[list[int], str | None]:
         for i, tok in enumerate(new):
@@ -102,44 +85,43 @@ def generate(
             return new[: max_new_tokens - produced], "length"
         return new, None
 
-    t0 = clock()
-    drafter.reset()
-    logits, feats = target.prefill(prompt_ids)
-    t1 = clock()
-    first = accept(DraftTree.empty(), logits[None], sampling, gen).bonus
-    t2 = clock()
-    drafter.observe(Commit(torch.as_tensor(prompt_ids), feats, first))
-    t3 = clock()
+    timer = PhaseTimer(target.device)
+    with timer("draft"):
+        drafter.reset()
+    with timer("verify"):
+        logits, feats = target.prefill(prompt_ids, cache)
+    with timer("accept"):
+        first = accept(DraftTree.empty(), logits[None], sampling, gen).bonus
+    with timer("draft"):
+        drafter.observe(Commit(torch.as_tensor(prompt_ids), feats, first))
     tokens, finished = finish([first], 0)
     p_first = float(_display_p(logits, sampling)[first])
-    timings = Timings(draft=t3 - t2, verify=t1 - t0, accept=t2 - t1)
-    yield StepRecord(0, DraftTree.empty(), [], tokens, first, torch.zeros(0), p_first, timings, finished)
+    yield StepRecord(0, DraftTree.empty(), [], tokens, first, torch.zeros(0), p_first, timer.timings, finished)
     sequence, produced, step = list(prompt_ids) + tokens, len(tokens), 0
     while finished is None:
         step += 1
-        t0 = clock()
-        request = DraftRequest(sequence, max_new_tokens - produced - 1, sampling, gen)
-        tree = drafter.propose(request) if request.max_depth > 0 else DraftTree.empty()
-        t1 = clock()
-        past = target.past_length
-        logits, feats = target.verify(sequence[-1], tree)
-        t2 = clock()
-        result = accept(tree, logits, sampling, gen)
-        keep = [0] + result.path
-        target.commit(past, keep)
-        t3 = clock()
-        committed = tree.input_ids(sequence[-1])[keep]
-        drafter.observe(Commit(committed, feats[keep], result.bonus))
-        t4 = clock()
-        probs = _display_p(logits, sampling)
-        node_p = probs[tree.parents, tree.tokens.to(probs.device)].cpu() if len(tree) else torch.zeros(0)
-        last = result.path[-1] if result.path else 0
-        new, finished = finish(committed[1:].tolist() + [result.bonus], produced)
-        sequence += new
-        produced += len(new)
-        t5 = clock()
-        timings = Timings(draft=(t1 - t0) + (t4 - t3), verify=t2 - t1, accept=t3 - t2, other=t5 - t4)
-        yield StepRecord(step, tree, result.path, new, result.bonus, node_p, float(probs[last, result.bonus]), timings, finished)
+        timer = PhaseTimer(target.device)
+        with timer("draft"):
+            request = DraftRequest(sequence, max_new_tokens - produced - 1, sampling, gen)
+            tree = drafter.propose(request) if request.max_depth > 0 else DraftTree.empty()
+        with timer("verify"):
+            past = cache.get_seq_length()
+            logits, feats = target.verify(sequence[-1], tree, cache)
+        with timer("accept"):
+            result = accept(tree, logits, sampling, gen)
+            keep = [0] + result.path
+            target.commit(cache, past, keep)
+        with timer("draft"):
+            committed = tree.input_ids(sequence[-1])[keep]
+            drafter.observe(Commit(committed, feats[keep], result.bonus))
+        with timer("other"):
+            probs = _display_p(logits, sampling)
+            node_p = probs[tree.parents, tree.tokens.to(probs.device)].cpu() if len(tree) else torch.zeros(0)
+            bonus_p = float(probs[result.path[-1] if result.path else 0, result.bonus])
+            new, finished = finish(committed[1:].tolist() + [result.bonus], produced)
+            sequence += new
+            produced += len(new)
+        yield StepRecord(step, tree, result.path, new, result.bonus, node_p, bonus_p, timer.timings, finished)
 
 
 @dataclass
@@ -151,7 +133,7 @@ class RunResult:
 
     @property
     def output_ids(self) -> list[int]:
-        return [t for r in self.records for t in r.tokens]
+        return output_ids(self.records)
 
 
 def run(target: TargetModel, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int = 128,

@@ -1,14 +1,19 @@
-"""The drafter protocol: every method proposes a DraftTree and learns what the target kept."""
+"""The drafter protocol: every method proposes a DraftTree and learns what the target kept.
+
+The engine calls ``reset()`` once per run, ``observe(Commit)`` after the prefill and after every
+step, and ``propose(DraftRequest)`` before every verify. Settings are small dataclasses with ranges.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 
-from specviz.errors import SettingsError
-from specviz.tree import DraftTree
-from specviz.verify import Sampling
+from .errors import SettingsError
+from .tree import DraftTree
+from .verify import Sampling
 
 
 @dataclass
@@ -16,7 +21,7 @@ class Commit:
     """What just entered the target's cache, and the token waiting to go in next."""
 
     tokens: torch.Tensor  # [T] the prompt after prefill; root + accepted drafts after a step
-    features: torch.Tensor  # [T, H] the target's last hidden state (before its final norm) there
+    features: torch.Tensor  # [T, H] the target's features there (its final-norm output, see core.target)
     pending: int  # the target's newest token, the root of the next draft tree
 
 
@@ -56,9 +61,11 @@ def check_range(name: str, value, low, high) -> None:
 
 @dataclass
 class Settings:
-    """Base for per-drafter settings: ``ranges`` maps a field to its inclusive (low, high)."""
+    """Base for per-drafter settings: ``ranges`` maps a field to its inclusive (low, high);
+    ``PAPER`` holds the setting the method's paper uses, where it differs from the default."""
 
-    ranges = {}
+    ranges: ClassVar[dict[str, tuple]] = {}
+    PAPER: ClassVar[dict] = {}
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -72,3 +79,17 @@ class Settings:
         if unknown:
             raise SettingsError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
         return cls(**given)
+
+    @classmethod
+    def limits(cls, target) -> dict[str, tuple]:
+        """The ranges that make sense for ``target`` (a method narrows them where the target bounds them)."""
+        return dict(cls.ranges)
+
+    @classmethod
+    def defaults(cls, target) -> dict:
+        """Every field's starting value for ``target``: the dataclass default, kept within ``limits``."""
+        values = {f.name: f.default for f in fields(cls)}
+        for name, (low, high) in cls.limits(target).items():
+            if isinstance(values.get(name), (int, float)):
+                values[name] = min(max(values[name], low), high)
+        return values

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 from drafters import METHODS, build_drafter
-
-from .errors import SpecvizError
-from .verify import RULES, Sampling
+from specviz.core.errors import SpecvizError
+from specviz.core.verify import RULES, Sampling
 
 GREEN, YELLOW, RESET = "\033[32m", "\033[33m", "\033[0m"
 
@@ -28,7 +27,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m specviz", description="Speculative decoding, one engine, many drafters.")
+    parser = argparse.ArgumentParser(prog="python -m specviz",
+                                     description="Speculative decoding, one engine, many drafters.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate with one method, tokens coloured by origin")
@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
     b.add_argument("--out", default="results.json")
     b.add_argument("--update-cards", action="store_true", help="record the results in the shipped checkpoints' cards")
-    b.add_argument("--watchdog", type=float, default=900, help="seconds on one prompt before printing every thread's stack")
+    b.add_argument("--watchdog", type=float, default=900,
+                   help="seconds on one prompt before printing every thread's stack")
     b.add_argument("--resume", action="store_true", help="continue a killed run of the same command where it stopped")
 
     pr = sub.add_parser("profile", help="verify-cost curve: ms per target forward vs tokens verified")
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("results")
 
     t = sub.add_parser("train", help="train a drafter with the shared pipeline; writes a checkpoint + card")
-    t.add_argument("--drafter", required=True, help="a trained method: " + ", ".join(n for n, (c, _) in METHODS.items() if c.trained))
+    t.add_argument("--drafter", required=True,
+                   help="a trained method: " + ", ".join(n for n, (c, _) in METHODS.items() if c.trained))
     t.add_argument("--target", default=None)
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     t.add_argument("--samples", type=int, default=1000, help="ShareGPT prompts for training")
@@ -103,10 +105,11 @@ def stream_coloured(target, steps, enabled: bool, out=None) -> list:
 
 
 def cmd_generate(args) -> None:
+    from specviz.core.engine import check_request, generate
+    from specviz.core.load import load_target
+    from specviz.core.metrics import acceptance_by_depth, extra_memory_pct, summarize
+
     from .bench import parse_method
-    from .engine import check_request, generate
-    from .load import load_target
-    from .metrics import acceptance_by_depth, extra_memory_pct, summarize
 
     sampling = _sampling(args)
     if not args.prompt.strip():
@@ -128,16 +131,21 @@ def cmd_generate(args) -> None:
           + ("" if m.mean_compression is None else f"; beam compression {m.mean_compression:.2f}"))
     print("latency per token (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in m.latency_ms.items()))
     rule = sampling.resolved_rule
-    print(f"acceptance rule: {rule}" + ("" if sampling.lossless else " (LOSSY: the output distribution is not the target's)"))
-    print(f"extra memory: {extra_memory_pct(drafter.num_parameters(), target.num_parameters):.1f}% of target parameters")
+    print(f"acceptance rule: {rule}"
+          + ("" if sampling.lossless else " (LOSSY: the output distribution is not the target's)"))
+    print(f"extra memory: {extra_memory_pct(drafter.num_parameters(), target.num_parameters):.1f}% "
+          "of target parameters")
     for depth, (c, u) in enumerate(zip(*acceptance_by_depth(records)), start=1):
-        print(f"  alpha depth {depth}: conditional {c:.3f} (accepted / steps reaching depth), unconditional {u:.3f} (accepted / all steps)")
+        print(f"  alpha depth {depth}: conditional {c:.3f} (accepted / steps reaching depth), "
+              f"unconditional {u:.3f} (accepted / all steps)")
 
 
 def cmd_bench(args) -> None:
-    from .bench import RunLog, bench
-    from .data import load_questions
-    from .load import load_target
+    from specviz.core.load import load_target
+
+    from .bench import bench, record_benchmark
+    from .questions import load_questions
+    from .runlog import RunLog
 
     sampling = _sampling(args)
     methods = [m for m in args.methods.split(",") if m.strip()]
@@ -180,7 +188,8 @@ def cmd_bench(args) -> None:
     print(f"{'method':28} {'tau':>6} {'tok/s':>7} {'speedup':>8} {'identical':>10}")
     for label, m in results["methods"].items():
         tau = f"{m['tau']:.2f}" if "tau" in m else "-"
-        print(f"{label:28} {tau:>6} {m['tokens_per_s']:7.1f} {m['speedup']:7.2f}x {m['identical_to_ar']:>4}/{m['prompts']}")
+        print(f"{label:28} {tau:>6} {m['tokens_per_s']:7.1f} {m['speedup']:7.2f}x "
+              f"{m['identical_to_ar']:>4}/{m['prompts']}")
     if results["interrupted"]:
         print(f"interrupted: kept the {len(results['per_prompt'])} prompts every method finished; "
               "the same command with --resume goes on from there")
@@ -188,15 +197,14 @@ def cmd_bench(args) -> None:
         log.remove()
     print(f"wrote {args.out}")
     if args.update_cards and not results["interrupted"]:
-        from drafters.checkpoint import record_benchmark
-
         for folder in record_benchmark(results, args.out):
             print(f"updated {folder / 'card.json'}")
 
 
 def cmd_profile(args) -> None:
-    from .bench import profile
-    from .load import load_target
+    from specviz.core.load import load_target
+
+    from .profile import profile
 
     sizes = [1]
     while sizes[-1] * 2 <= args.max_size:
@@ -213,7 +221,8 @@ def cmd_profile(args) -> None:
 def markdown_table(results: dict) -> str:
     """τ, α, speed and equality per method, in the README's format."""
     lines = [
-        "| method | τ | α_1..4 conditional | α_1..4 unconditional | tok/s | speedup vs ar | identical to AR | ms/token draft · verify · accept · other |",
+        "| method | τ | α_1..4 conditional | α_1..4 unconditional | tok/s | speedup vs ar | identical to AR "
+        "| ms/token draft · verify · accept · other |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, m in results["methods"].items():
@@ -231,7 +240,8 @@ def cmd_report(args) -> None:
     if not path.exists():
         raise SpecvizError(f"no results file {args.results!r}")
     results = json.loads(path.read_text())
-    print(f"{results.get('questions', '?')}, {len(results['per_prompt'])} prompts, {results['max_new_tokens']} new tokens, "
+    print(f"{results.get('questions', '?')}, {len(results['per_prompt'])} prompts, "
+          f"{results['max_new_tokens']} new tokens, "
           f"{results['dtype']}, {results['sampling']['rule']}; {results['machine']}, {results['date']}\n")
     print(markdown_table(results))
 
@@ -240,8 +250,7 @@ def cmd_train(args) -> None:
     from drafters.checkpoint import default_path
     from drafters.corpus import prepare
     from drafters.train import TrainConfig, train
-
-    from .load import cache_dir, default_device, load_target
+    from specviz.core.load import cache_dir, default_device, load_target
 
     if args.drafter not in METHODS or not METHODS[args.drafter][0].trained:
         trained = [n for n, (c, _) in METHODS.items() if c.trained]
@@ -257,7 +266,8 @@ def cmd_train(args) -> None:
     out = Path(args.out) if args.out else default_path(args.drafter)
     card = train(METHODS[args.drafter][0], target, train_set, val_set, cfg, meta, out)
     print(f"wrote {out} ({card['parameters']['trained']:,} trained parameters, "
-          f"{card['training']['steps']} steps in {card['training']['wall_s']:.0f} s); validation {card['history'][-1]['val']}")
+          f"{card['training']['steps']} steps in {card['training']['wall_s']:.0f} s); "
+          f"validation {card['history'][-1]['val']}")
 
 
 def cmd_methods(_args) -> None:

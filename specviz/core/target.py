@@ -1,7 +1,12 @@
 """The target model: prefill, verify a whole draft tree in one forward, commit the accepted path.
 
 Only transformers' public API is used: a custom 4D additive mask, explicit ``position_ids`` and a
-``DynamicCache`` whose layers are trimmed to the accepted path after each verify.
+``DynamicCache`` whose layers are trimmed to the accepted path after each verify. The cache belongs
+to the decode loop that uses it (``new_cache()``), so several decodes can share one target.
+
+**Features** are the target's final-norm output at each position: the hidden state its LM head
+reads, EAGLE's "feature". The engine hands drafters exactly this (``Commit.features``) and the
+training pipeline stores exactly this; no drafter applies the norm again.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ class TargetError(SpecvizError):
 
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The decoder's final norm, whose input is the 'feature' EAGLE-style drafters read."""
+    """The decoder's final norm, whose output is the features."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm"):
         if isinstance(getattr(decoder, name, None), torch.nn.Module):
@@ -27,19 +32,18 @@ def final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 class TargetModel:
-    """Wraps a causal LM and its KV cache for one sequence at a time (batch size 1)."""
+    """Wraps a causal LM for one sequence at a time (batch size 1); each decode brings its own cache."""
 
     def __init__(self, model, tokenizer=None, name: str = "target"):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
-        self.cache = DynamicCache(config=self.config)
         self._features: torch.Tensor | None = None
         norm = final_norm(model)
         self._hooked = norm is not None
         if norm is not None:
-            norm.register_forward_pre_hook(self._capture_features)
+            norm.register_forward_hook(self._capture_features)
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -57,10 +61,6 @@ class TargetModel:
     @property
     def max_length(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 1 << 30))
-
-    @property
-    def past_length(self) -> int:
-        return self.cache.get_seq_length()
 
     @property
     def num_parameters(self) -> int:
@@ -83,7 +83,8 @@ class TargetModel:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        declared = (getattr(self.model.generation_config, "eos_token_id", None), getattr(self.config, "eos_token_id", None))
+        config = self.config
+        declared = (getattr(self.model.generation_config, "eos_token_id", None), getattr(config, "eos_token_id", None))
         ids = next((i for i in declared if i is not None), None)  # an id of 0 is a real id
         if ids is None and self.tokenizer is not None:
             ids = self.tokenizer.eos_token_id
@@ -92,56 +93,60 @@ class TargetModel:
         return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
 
     # -- forward passes ---------------------------------------------------------------------
-    def _capture_features(self, _module, args) -> None:
-        self._features = args[0]
+    def new_cache(self) -> DynamicCache:
+        """An empty KV cache for one decode."""
+        return DynamicCache(config=self.config)
+
+    def _capture_features(self, _module, _args, output) -> None:
+        self._features = output
 
     @torch.inference_mode()
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, keep: int = 0):
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache,
+                 keep: int = 0):
         self._features = None
         out = self.model(
             input_ids=ids.to(self.device)[None],
             position_ids=positions.to(self.device),
             attention_mask=None if mask is None else mask.to(self.device),
-            past_key_values=self.cache,
+            past_key_values=cache,
             use_cache=True,
             logits_to_keep=keep,
             output_hidden_states=not self._hooked,
         )
-        feats = self._features if self._hooked else out.hidden_states[-1]
+        feats = self._features if self._hooked else out.hidden_states[-1]  # transformers' last entry is normed
         return out.logits[0], feats[0]
 
-    def reset(self) -> None:
-        self.cache = DynamicCache(config=self.config)
-
-    def prefill(self, ids: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill a fresh cache with ``ids``. Returns the last position's logits [V] and features [L, H]."""
+    def prefill(self, ids: list[int] | torch.Tensor, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill ``cache`` (emptied first) with ``ids``. Returns the last position's logits [V] and features [L, H]."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         if ids.numel() == 0:
             raise TargetError("the prompt is empty")
         if ids.numel() >= self.max_length:
             raise TargetError(f"the prompt has {ids.numel()} tokens; this target's context is {self.max_length}")
-        self.reset()
-        logits, feats = self._forward(ids, torch.arange(ids.numel())[None], None, keep=1)
+        if cache.get_seq_length():
+            cache.crop(-cache.get_seq_length())
+        logits, feats = self._forward(ids, torch.arange(ids.numel())[None], None, cache, keep=1)
         return logits[-1], feats
 
-    def verify(self, root: int, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over root + tree. Returns logits [N+1, V] and features [N+1, H]."""
-        past = self.past_length
+    def verify(self, root: int, tree: DraftTree, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over root + tree after ``cache``. Returns logits [N+1, V] and features [N+1, H]."""
+        past = cache.get_seq_length()
         if past + tree.max_depth + 1 > self.max_length:
-            raise TargetError(f"verifying {tree.max_depth + 1} positions after {past} exceeds the context of {self.max_length}")
+            raise TargetError(
+                f"verifying {tree.max_depth + 1} positions after {past} exceeds the context of {self.max_length}")
         mask = None if tree.is_chain else tree.attention_mask(past, self.dtype)  # a chain is plain causal
-        return self._forward(tree.input_ids(root), tree.positions(past), mask)
+        return self._forward(tree.input_ids(root), tree.positions(past), mask, cache)
 
-    def commit(self, past: int, keep: list[int]) -> None:
+    def commit(self, cache: DynamicCache, past: int, keep: list[int]) -> None:
         """Keep only the cache entries of verify-input indices ``keep`` (root first) after ``past``."""
-        total = self.past_length
+        total = cache.get_seq_length()
         if keep == list(range(len(keep))):  # a prefix of the verify input: plain crop
             drop = total - past - len(keep)
             if drop > 0:
-                self.cache.crop(-drop)
+                cache.crop(-drop)
             return
         index = torch.cat([torch.arange(past), past + torch.tensor(keep)]).to(self.device)
-        for layer in self.cache.layers:
+        for layer in cache.layers:
             if not hasattr(layer, "keys") or getattr(layer, "sliding_window", None):
                 raise TargetError(f"tree commit is not supported for cache layer {type(layer).__name__}")
             layer.keys = layer.keys.index_select(-2, index)

@@ -9,8 +9,9 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from .engine import StepRecord
-from .metrics import PHASES, acceptance_by_depth
+from specviz.core.engine import StepRecord
+from specviz.core.metrics import acceptance_by_depth, decode_steps, summarize
+from specviz.core.timing import PHASES
 
 COLOURS = {"accepted": "#2e9e4f", "bonus": "#d98c00", "rejected": "#c0392b", "prompt": "#777777"}
 PHASE_COLOURS = {"draft": "#4c78a8", "verify": "#f58518", "accept": "#54a24b", "other": "#b0b0b0"}
@@ -48,25 +49,24 @@ def step_html(record: StepRecord, decode, show_rejected: bool) -> str:
     tree, out = record.tree, []
     depths = tree.depths.tolist()
     draft_p = [math.exp(x) for x in tree.logprobs.tolist()] if tree.logprobs is not None else [None] * len(tree)
+
+    def node_title(i: int, what: str) -> str:
+        return (f"step {record.step} · depth {depths[i]} · {what} · draft p {_p(draft_p[i])} · "
+                f"target p {_p(record.node_target_p[i])}")
+
     for node, token in zip(record.path, record.tokens):
-        i = node - 1
-        title = f"step {record.step} · depth {depths[i]} · accepted draft · draft p {_p(draft_p[i])} · target p {_p(record.node_target_p[i])}"
-        out.append(_span("acc", decode([token]), title))
+        out.append(_span("acc", decode([token]), node_title(node - 1, "accepted draft")))
     if show_rejected and len(tree):
         last = record.path[-1] if record.path else 0
         for i, parent in enumerate(tree.parents.tolist()):
             if parent == last and i + 1 not in record.path:
-                title = f"step {record.step} · depth {depths[i]} · rejected draft · draft p {_p(draft_p[i])} · target p {_p(record.node_target_p[i])}"
-                out.append(_span("rej", decode([int(tree.tokens[i])]), title))
+                out.append(_span("rej", decode([int(tree.tokens[i])]), node_title(i, "rejected draft")))
     if len(record.tokens) > len(record.path):  # the bonus (it may be cut at the length limit)
         kind = "correction" if len(tree) > len(record.path) else "bonus"
-        title = f"step {record.step} · depth {len(record.path) + 1} · target {kind} token · target p {_p(record.bonus_target_p)}"
+        title = (f"step {record.step} · depth {len(record.path) + 1} · target {kind} token · "
+                 f"target p {_p(record.bonus_target_p)}")
         out.append(_span("bonus", decode([record.tokens[-1]]), title))
     return "".join(out)
-
-
-def tokens_html(records: list[StepRecord], decode, show_rejected: bool = False) -> str:
-    return '<div class="sv-tokens">' + "".join(step_html(r, decode, show_rejected) for r in records) + "</div>"
 
 
 def acceptance_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
@@ -85,22 +85,19 @@ def acceptance_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
 def accepted_length_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
     fig = go.Figure()
     for label, records in runs.items():
-        decode = [r for r in records if r.step > 0]
-        fig.add_trace(go.Scatter(x=[r.step for r in decode], y=[len(r.tokens) for r in decode], mode="lines+markers",
-                                 name=label))
+        decode = decode_steps(records)
+        fig.add_trace(go.Scatter(x=[r.step for r in decode], y=[len(r.tokens) for r in decode],
+                                 mode="lines+markers", name=label))
     fig.update_layout(title="tokens per step (accepted + bonus)", xaxis_title="step", yaxis_title="tokens", **LAYOUT)
     return fig
 
 
 def latency_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
-    labels = list(runs)
+    per_token = {label: summarize(records).latency_ms for label, records in runs.items()}
     fig = go.Figure()
     for phase in PHASES:
-        ms = []
-        for label in labels:
-            tokens = max(sum(len(r.tokens) for r in runs[label]), 1)
-            ms.append(1000 * sum(getattr(r.timings, phase) for r in runs[label]) / tokens)
-        fig.add_trace(go.Bar(x=labels, y=ms, name=phase, marker_color=PHASE_COLOURS[phase]))
+        fig.add_trace(go.Bar(x=list(runs), y=[ms[phase] for ms in per_token.values()], name=phase,
+                             marker_color=PHASE_COLOURS[phase]))
     fig.update_layout(title="latency per generated token (ms)", yaxis_title="ms / token", barmode="stack", **LAYOUT)
     return fig
 
@@ -157,7 +154,8 @@ def _tree_traces(tree, accepted: set[int], decode) -> list[go.Scatter]:
                 xs += [depth[parent], depth[i], None]
                 ys += [y[parent], y[i], None]
         traces.append(go.Scatter(x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False,
-                                 line=dict(color=COLOURS["accepted"] if on_path else "#cccccc", width=3 if on_path else 1)))
+                                 line=dict(color=COLOURS["accepted"] if on_path else "#cccccc",
+                                           width=3 if on_path else 1)))
     text = ["root"] + [decode([int(t)]) for t in tree.tokens]
     colour = [COLOURS["accepted"] if i in accepted else "#bbbbbb" for i in range(len(tree) + 1)]
     traces.append(go.Scatter(x=depth, y=y, mode="markers+text", text=text, textposition="middle right",
@@ -176,7 +174,8 @@ def _beam_traces(beams, beam_nodes, accepted: set[int], decode) -> list[go.Scatt
             ys.append(w)
             text.append(decode([int(beams[w, d])]))
             colour.append(COLOURS["accepted"] if int(beam_nodes[w, d]) in accepted else "#bbbbbb")
-    rows = dict(x=[v for w in range(width) for v in (1, length, None)], y=[v for w in range(width) for v in (w, w, None)])
+    rows = dict(x=[v for w in range(width) for v in (1, length, None)],
+                y=[v for w in range(width) for v in (w, w, None)])
     return [go.Scatter(**rows, mode="lines", line=dict(color="#dddddd", width=1), hoverinfo="skip", showlegend=False),
             go.Scatter(x=xs, y=ys, mode="markers+text", text=text, textposition="top center", showlegend=False,
                        marker=dict(color=colour, size=9), hovertext=[f"beam {y} · depth {x}" for x, y in zip(xs, ys)],

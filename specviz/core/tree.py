@@ -13,8 +13,13 @@ import torch
 
 from .errors import SettingsError
 
-
 _NO_TOKENS = torch.zeros(0, dtype=torch.long)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Bool [q, k] (True = may attend) -> additive float mask [1, 1, q, k]: 0 or the dtype's minimum."""
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill_(~allowed.cpu(), torch.finfo(dtype).min)[None, None]
 
 
 class TreeError(SettingsError):
@@ -116,11 +121,8 @@ class DraftTree:
 
     def attention_mask(self, past: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[1, 1, N+1, past+N+1] additive mask: every node sees the cache and its own ancestors."""
-        n = len(self) + 1
-        allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), self.ancestors()], dim=1)
-        mask = torch.zeros(n, past + n, dtype=dtype)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return mask[None, None]
+        allowed = torch.cat([torch.ones(len(self) + 1, past, dtype=torch.bool), self.ancestors()], dim=1)
+        return additive_mask(allowed, dtype)
 
     def children(self) -> list[list[int]]:
         """Input indices of each input node's children, in node order."""

@@ -1,0 +1,79 @@
+"""The base of every trained drafter: the training protocol, checkpoint loading, feature handling.
+
+A trained method is a ``TrainedDrafter`` subclass that declares its network and its loss (the two
+class methods the one training pipeline, ``drafters/train.py``, calls) and its decoding. Loading a
+checkpoint, restoring the network beside the target's frozen head, counting parameters and moving
+the target's features to the drafter are done here, once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specviz.core.protocol import Commit, Drafter
+
+from .checkpoint import CheckpointError, load_checkpoint
+from .vocab_head import FrozenTarget
+
+
+class TrainedDrafter(Drafter):
+    trained = True
+
+    def __init__(self, target, settings):
+        self.settings = settings
+        state, self.card = load_checkpoint(settings.checkpoint, self.name, target)
+        self.net, self.frozen = self.restore(target, state)
+        self.device, self.dtype = target.device, target.dtype
+        self.check_settings(settings)
+        self.reset()
+
+    # -- the training protocol ----------------------------------------------------------------
+    @classmethod
+    def new_network(cls, target) -> nn.Module:
+        """A freshly initialised network for ``target``."""
+        raise NotImplementedError
+
+    @classmethod
+    def training_loss(cls, net: nn.Module, frozen: FrozenTarget, tokens: torch.Tensor, feats: torch.Tensor,
+                      valid: torch.Tensor, evaluate: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+        """(loss, statistics) over a batch: tokens [B, T], the target's features [B, T, H], and ``valid``
+        [B, T], the positions whose predictions count. ``evaluate`` adds the per-depth accuracies the
+        card reports, measured alike for every method of a family."""
+        raise NotImplementedError
+
+    # -- loading ------------------------------------------------------------------------------
+    @classmethod
+    def restore(cls, target, state: dict[str, torch.Tensor]) -> tuple[nn.Module, FrozenTarget]:
+        """``new_network(target)`` loaded from ``state``, plus the frozen head of its draft vocabulary."""
+        state = dict(state)
+        vocab_map = state.pop("vocab_map", None)
+        if vocab_map is None:
+            raise CheckpointError(f"{cls.name} checkpoint has no vocab_map tensor")
+        if int(vocab_map.max()) >= target.vocab_size:
+            raise CheckpointError(f"{cls.name} checkpoint's draft vocabulary reaches id {int(vocab_map.max())}, "
+                                  f"beyond this target's vocab of {target.vocab_size}")
+        net = cls.new_network(target)
+        own = set(net.state_dict())
+        missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
+        if missing or unexpected:  # checked first: names the weights of another method plainly
+            raise CheckpointError(f"{cls.name} checkpoint does not fit this target: "
+                                  f"missing {missing[:4]} unexpected {unexpected[:4]}")
+        try:
+            net.load_state_dict(state)
+        except RuntimeError as e:  # a tensor of another shape
+            detail = " ".join(str(e).split())[:300]
+            raise CheckpointError(f"{cls.name} checkpoint does not fit this target: {detail}") from None
+        net = net.to(device=target.device, dtype=target.dtype).eval()
+        return net, FrozenTarget(target, vocab_map)
+
+    def check_settings(self, settings) -> None:
+        """Reject settings this checkpoint cannot serve (a method overrides it where some cannot)."""
+
+    def num_parameters(self) -> int:
+        """Trained weights plus the copied LM-head rows of the draft vocabulary."""
+        return sum(p.numel() for p in self.net.parameters()) + self.frozen.head.numel()
+
+    def features(self, commit: Commit) -> torch.Tensor:
+        """The committed positions' features, on the drafter's device and in its dtype."""
+        return commit.features.to(device=self.device, dtype=self.dtype)

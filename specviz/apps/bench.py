@@ -1,0 +1,207 @@
+"""Benchmarks (not tests): methods on a question set, every speed a ratio within one process.
+
+Every method runs on the same prompts in the same process, interleaved prompt by prompt, and
+speedup is AR's time per token over the method's. ``hf`` and ``hf-pld`` run transformers' own
+``generate`` (plain, and with ``prompt_lookup_num_tokens=10``) as outside baselines.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from drafters import build_drafter, parse_spec
+from drafters.checkpoint import CARD, default_path, read_card, shareable_path, update_card
+from specviz.core.engine import StepRecord, run
+from specviz.core.errors import SettingsError
+from specviz.core.metrics import compare, decode_steps, extra_memory_pct, identical
+from specviz.core.target import TargetModel
+from specviz.core.timing import now
+from specviz.core.verify import Sampling
+
+from .questions import Question
+
+HF_BASELINES = {"hf": {}, "hf-pld": {"prompt_lookup_num_tokens": 10}}
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    """A method spec as the CLI takes it: any drafter, or one of transformers' own baselines."""
+    return parse_spec(spec, extra=HF_BASELINES)
+
+
+@dataclass
+class PromptRun:
+    output: list[int]
+    wall_s: float
+    records: list[StepRecord] | None = None  # None for the HF baselines
+
+
+def _hf_runner(target: TargetModel, max_new_tokens: int, sampling: Sampling, extra: dict) -> Callable:
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy, **extra)
+    if not sampling.greedy:
+        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+
+    def go(ids: list[int]) -> PromptRun:
+        start = now(target.device)
+        with torch.inference_mode():
+            out = target.model.generate(torch.tensor([ids], device=target.device), **kwargs)
+        wall = now(target.device) - start
+        return PromptRun(out[0, len(ids):].tolist(), wall)
+
+    return go
+
+
+def _engine_runner(target: TargetModel, name: str, settings: dict, max_new_tokens: int,
+                   sampling: Sampling) -> tuple[Callable, int]:
+    drafter = build_drafter(name, target, **settings)
+
+    def go(ids: list[int]) -> PromptRun:
+        result = run(target, drafter, ids, max_new_tokens, sampling)
+        return PromptRun(result.output_ids, result.wall_s, result.records)
+
+    return go, drafter.num_parameters()
+
+
+def bench(target: TargetModel, methods: list[str], questions: list[Question], max_new_tokens: int = 128,
+          sampling: Sampling | None = None, warmup: bool = True, progress: bool = True,
+          on_prompt: Callable[[dict], None] | None = None, runs: dict[str, list[PromptRun]] | None = None) -> dict:
+    """Run every method on every question (AR always included as the reference).
+
+    ``on_prompt`` gets the results so far after each prompt but the last, so a caller can save them
+    and a killed run loses at most one prompt. Ctrl-C returns the prompts every method finished.
+    ``runs`` is filled in place, and may hold a killed run's first prompts to resume it (see bench_steps)."""
+    results = None
+    try:
+        for results in bench_steps(target, methods, questions, max_new_tokens, sampling, warmup, progress, runs):
+            if on_prompt is not None and results["interrupted"]:
+                on_prompt(results)
+    except KeyboardInterrupt:
+        if results is None:
+            raise
+    return results
+
+
+def bench_steps(target: TargetModel, methods: list[str], questions: list[Question], max_new_tokens: int = 128,
+                sampling: Sampling | None = None, warmup: bool = True, progress: bool = True,
+                runs: dict[str, list[PromptRun]] | None = None) -> Iterator[dict]:
+    """Yield the results so far after every prompt; all but the last are marked ``interrupted``.
+
+    ``runs`` (method label → one PromptRun per question, in order) is filled in place; the questions
+    it already holds, from an earlier run of the same methods, are kept and not run again."""
+    if not questions:
+        raise SettingsError("no questions to run")
+    sampling = sampling or Sampling()
+    specs = [parse_method(m) for m in methods]
+    labels = [m.strip() for m in methods]
+    if len(set(labels)) != len(labels):
+        raise SettingsError(f"a method is listed twice in {methods}")
+    if "ar" not in labels:  # AR is the reference for speedup and identical_to_ar
+        specs.insert(0, ("ar", {}))
+        labels.insert(0, "ar")
+    runners, extra = {}, {}
+    for label, (name, settings) in zip(labels, specs):
+        if name in HF_BASELINES:
+            runners[label] = _hf_runner(target, max_new_tokens, sampling, {**HF_BASELINES[name], **settings})
+            extra[label] = 0
+        else:
+            runners[label], extra[label] = _engine_runner(target, name, settings, max_new_tokens, sampling)
+    prompts = [target.encode_chat(q.prompt) for q in questions]
+    if warmup:
+        for go in runners.values():
+            go(prompts[0][:64])
+    results = runs if runs is not None else {}
+    if any(results.values()) and set(results) != set(labels):
+        raise SettingsError(f"the run to resume has the methods {sorted(results)}, not {sorted(labels)}")
+    for label in labels:
+        results.setdefault(label, [])
+    finished = len(results["ar"])
+    if finished > len(questions) or any(len(r) != finished for r in results.values()):
+        raise SettingsError(f"the run to resume has {finished} prompts per method; "
+                            f"this question set has {len(questions)}")
+    per_prompt = [_row(q, len(ids), {label: results[label][i] for label in labels})
+                  for i, (q, ids) in enumerate(zip(questions[:finished], prompts))]
+
+    def report(interrupted: bool) -> dict:
+        categories = [q.category for q in questions[: len(per_prompt)]]
+        summary = {}
+        for label in labels:
+            done = len(per_prompt)
+            summary[label] = compare(results[label][:done], results["ar"][:done], categories)
+            summary[label]["extra_memory_pct"] = extra_memory_pct(extra[label], target.num_parameters)
+            if not sampling.greedy:
+                summary[label]["identical_to_ar_note"] = ("sampling: outputs differ from AR by design; "
+                                                          "compare distributions, not tokens")
+        return {
+            "target": target.name,
+            "device": str(target.device),
+            "dtype": str(target.dtype).replace("torch.", ""),
+            "max_new_tokens": max_new_tokens,
+            "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "rule": sampling.resolved_rule,
+                         "lossless": sampling.lossless},
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": machine_description(),
+            "interrupted": interrupted,
+            "methods": summary,
+            "per_prompt": list(per_prompt),
+        }
+
+    remaining = list(zip(questions, prompts))[finished:]
+    if not remaining:  # resuming a run that had finished
+        yield report(False)
+    for q, ids in tqdm(remaining, desc="bench", disable=not progress, unit="prompt", initial=finished,
+                       total=len(questions)):
+        shift = len(per_prompt) % len(labels)  # rotate the order so no method always runs first
+        ran = {label: runners[label](ids) for label in labels[shift:] + labels[:shift]}
+        done = {label: ran[label] for label in labels}
+        for label in labels:
+            results[label].append(done[label])
+        per_prompt.append(_row(q, len(ids), done))
+        yield report(len(per_prompt) < len(questions))
+
+
+def _row(q: Question, prompt_tokens: int, done: dict[str, PromptRun]) -> dict:
+    row = {"id": q.id, "category": q.category, "prompt_tokens": prompt_tokens, "methods": {}}
+    for label, r in done.items():
+        entry = {"new_tokens": len(r.output), "wall_s": r.wall_s,
+                 "identical_to_ar": identical(r.output, done["ar"].output)}
+        if r.records is not None:
+            decode = decode_steps(r.records)
+            entry["steps"] = len(decode)
+            entry["accepted_per_step"] = [x.accepted for x in decode]
+        row["methods"][label] = entry
+    return row
+
+
+def machine_description() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return (f"{platform.machine()} CPU ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def record_benchmark(results: dict, source: str) -> list[Path]:
+    """Write each shipped trained method's bench figures into its card (under 'mtbench')."""
+    touched = []
+    for label, m in results["methods"].items():
+        name, settings = parse_method(label)
+        folder = Path(settings.get("checkpoint") or default_path(name))
+        if "tau" not in m or not (folder / CARD).exists():
+            continue
+        card = read_card(folder)
+        entry = {k: m[k] for k in ("tau", "alpha_conditional", "alpha_unconditional", "tokens_per_s", "speedup",
+                                   "identical_to_ar", "prompts") if k in m}
+        entry.update(questions=results.get("questions"), max_new_tokens=results["max_new_tokens"],
+                     dtype=results["dtype"], machine=results["machine"], date=results["date"],
+                     results_file=shareable_path(source))
+        bench = card.get("mtbench") or {}
+        bench[label] = entry
+        update_card(folder, mtbench=bench)
+        touched.append(folder)
+    return touched

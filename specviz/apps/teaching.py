@@ -1,0 +1,88 @@
+"""Teaching notes per method for the app's Learn tab: what it drafts from, training, paper, what to look for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The methods' papers (arXiv).
+PAPERS = {
+    "ReDrafter: Recurrent Drafter for Fast Speculative Decoding (Cheng et al., 2024)":
+        "https://arxiv.org/abs/2403.09919",
+    "HASS: Learning Harmonized Representations for Speculative Sampling (Zhang et al., 2024)":
+        "https://arxiv.org/abs/2408.15766",
+    "FSPAD: Feature Sampling and Partial Alignment Distillation (Gui et al., 2024)": "https://arxiv.org/abs/2408.15562",
+    "Semi-autoregressive drafting (no public code; built from the paper)": "",
+    "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees (Li et al., 2024)":
+        "https://arxiv.org/abs/2406.16858",
+    "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads (Cai et al., 2024)":
+        "https://arxiv.org/abs/2401.10774",
+}
+
+READING = (
+    "**How to read the race.** Every column is one method decoding the same prompt with the same target. "
+    "The race is fair: one method computes at a time, and the one furthest behind in its own measured time "
+    "goes next, so the columns move at the speed each would have alone. τ counts tokens per target forward "
+    "(AR = 1). α_k has two definitions, both plotted: *conditional* divides the drafts accepted at depth k by "
+    "the steps whose draft reached depth k (EAGLE, Spec-Bench); *unconditional* divides by all steps (vLLM). "
+    "The trained drafters here were trained on a 2-core CPU at reduced scale (1,000 ShareGPT prompts), so "
+    "their τ is far below the papers'; each reuses the target's frozen LM head behind a learned projection "
+    "(an allowed deviation, stated on its card)."
+)
+
+
+@dataclass(frozen=True)
+class Note:
+    source: str  # what the method drafts from
+    training: str
+    paper: str
+    look: str  # what its plots should show
+
+
+NOTES = {
+    "ar": Note("nothing: the target alone, one token per forward", "none", "the baseline",
+               "τ = 1 and no draft: every token is amber. All speedups are measured against this column."),
+    "pld": Note("the prompt and output so far: the continuation after the last matching n-gram", "none",
+                "prompt lookup decoding (Saxena, 2023); transformers' `prompt_lookup_num_tokens`",
+                "long green runs when the answer copies the prompt (code edits, summaries), nothing otherwise."),
+    "skip": Note("the target's own first N layers + final norm + LM head (a self-draft)", "none",
+                 "LayerSkip-style self-speculation (a baseline of semi-autoregressive drafting)",
+                 "draft cost grows with N; α falls as N shrinks. The latency plot shows the trade."),
+    "sps": Note("a second, smaller LM with the same tokenizer", "none (any assistant)",
+                "Leviathan et al. 2023; Chen et al. 2023",
+                "a chain; with sampling the rejection rule keeps the target's distribution exactly."),
+    "eagle2": Note("the target's last hidden state + the next token's embedding, through one decoder layer",
+                   "SmoothL1 on the next feature + 0.1 · cross-entropy, target frozen",
+                   "EAGLE-2 (Li et al., 2024), a baseline of HASS and FSPAD",
+                   "a dynamic tree: wide at shallow depths; α falls quickly with depth."),
+    "hass": Note("as EAGLE-2",
+                 "EAGLE's loss + Top-K distillation + 3 aligned passes in which the drafter reads its own earlier "
+                 "features", "HASS (Zhang et al., 2024)",
+                 "compared with eagle2, α holds up better at depths 2–3."),
+    "fspad": Note("as EAGLE-2, with a Feature Sampler that gates the feature with the token embedding",
+                  "0.1 · token loss + feature loss on a split output (partial alignment distillation)",
+                  "FSPAD (Gui et al., 2024)", "higher α at depth 1 than eagle2 on the same data."),
+    "medusa": Note("the target's last hidden state only: head k guesses the token k places ahead",
+                   "cross-entropy per head, target frozen",
+                   "Medusa (Cai et al., 2024), a baseline of ReDrafter and semi-AR drafting",
+                   "a static tree of the same shape every step; α drops fast with depth since the heads never see "
+                   "the tokens between. Typical acceptance is lossy: the badge turns red."),
+    "redrafter": Note("the target's last hidden state + an RNN over the drafted tokens",
+                      "cross-entropy on the next tokens, target frozen", "ReDrafter (Cheng et al., 2024)",
+                      "beam search, then shared prefixes merged: the tree view shows the beams before and after "
+                      "dedup and the compression ratio."),
+    "semi-attn": Note("the target's hidden state h_p (computed once per step) + a fixed-attention mean over the "
+                      "drafted tokens", "cross-entropy, target frozen (separate training, λ = 1)",
+                      "semi-autoregressive drafting",
+                      "a K-token chain that costs almost nothing to draft: the draft bar in the latency plot is tiny."),
+    "semi-lstm": Note("the target's hidden state h_p + a 2-layer LSTM over the drafted tokens",
+                      "cross-entropy, target frozen", "semi-autoregressive drafting",
+                      "as semi-attn; compare α at depths 3–4, where the LSTM remembers more."),
+}
+UNKNOWN = Note("–", "–", "–", "–")
+
+
+def note(method: str, title: str, params: int, extra_pct: float) -> str:
+    n = NOTES.get(method, UNKNOWN)
+    return (f"### {method}\n{title}\n\n- **Drafts from:** {n.source}\n- **Trained:** {n.training}\n"
+            f"- **Paper:** {n.paper}\n- **Parameters added:** {params:,} ({extra_pct:.1f} % of the target)\n"
+            f"- **What the plots should show:** {n.look}\n")

@@ -1,0 +1,116 @@
+"""The web app's entry points: the Race tab's stream and Stop, the /compare API, the Benchmark tab and
+the tree view. Every torch call runs on the state's engine thread; the race itself runs free there and
+the page takes what it made in batches (``background.in_batches``)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+
+import gradio as gr
+
+from specviz.core.errors import SpecvizError
+from specviz.core.metrics import identical, summarize
+
+from ..background import in_batches
+from ..bench import bench_steps
+from ..questions import load_questions
+from ..race import race
+from . import views
+from .plan import MAX_NEW_TOKENS, Plan, SettingSpec, clamp, plan_race, slider_settings
+from .state import AppState
+
+SHOW_EVERY_S = 0.5  # the columns are redrawn at most this often while streaming
+
+
+def _session(request: gr.Request | None) -> str:
+    return getattr(request, "session_hash", None) or "local"
+
+
+class Handlers:
+    """Bound to one AppState; each public method is one Gradio listener or API."""
+
+    def __init__(self, state: AppState, specs: list[SettingSpec]):
+        self.state, self.specs = state, specs
+
+    def plan(self, prompt, methods, max_new_tokens, temperature, top_p, settings) -> Plan:
+        try:
+            return plan_race(self.state, prompt, methods, max_new_tokens, temperature, top_p, settings)
+        except SpecvizError as e:
+            raise gr.Error(str(e)) from None
+
+    def race(self, request: gr.Request, prompt, methods, max_new_tokens, temperature, top_p, show_rejected,
+             *setting_values):
+        """The Race tab: stream every selected method's column while the race runs at full speed."""
+        plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p,
+                         slider_settings(self.specs, setting_values))
+        view = views.RaceView(plan, self.state.target.decode, bool(show_rejected))
+        session, stop = _session(request), threading.Event()
+        self.state.stops[session] = stop
+        try:
+            yield view.start()
+            lanes = race(self.state.target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling)
+            for batch in in_batches(lanes, self.state.engine, stop, SHOW_EVERY_S):
+                yield view.advance(batch)
+            yield view.finish()
+        finally:
+            if self.state.stops.get(session) is stop:
+                del self.state.stops[session]
+
+    def stop(self, request: gr.Request) -> None:
+        """The Stop button: this session's race ends after the step in progress and keeps what ran."""
+        if (stop := self.state.stops.get(_session(request))) is not None:
+            stop.set()
+
+    def compare(self, prompt: str, methods: list[str], max_new_tokens: float = 128, temperature: float = 0.0,
+                top_p: float = 1.0, settings: dict | None = None) -> dict:
+        """The public API: per method the text, each token's origin and step, and the run's metrics.
+
+        ``settings`` maps a method to its settings, e.g. {"eagle2": {"depth": 4}}; values beyond their
+        range are clamped and every change is listed under ``notes``."""
+        plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p, settings)
+        target = self.state.target
+        steps = race(target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling)
+        lanes = self.state.on_engine(lambda: {lane.label: lane for lane in steps})  # the whole race in one call
+        result = {"notes": plan.notes, "methods": {}}
+        for label, lane in lanes.items():
+            tokens = [{"token": t, "text": target.decode([t]), "step": r.step,
+                       "origin": "accepted draft" if i < r.accepted else "target"}
+                      for r in lane.records for i, t in enumerate(r.tokens)]
+            same = None
+            if "ar" in lanes and plan.sampling.greedy:
+                same = identical(lane.output_ids, lanes["ar"].output_ids)
+            result["methods"][label] = {"text": target.decode(lane.output_ids), "tokens": tokens,
+                                        "error": lane.error, "identical_to_ar": same,
+                                        "metrics": summarize(lane.records, lane.clock).as_dict()}
+        return result
+
+    def benchmark(self, question_set: str, subset: str, count: int, methods: list[str], max_new_tokens: int,
+                  progress=gr.Progress(track_tqdm=True)):
+        """The engine's bench on a subset, streamed prompt by prompt: τ and speedup per method × category."""
+        state, notes = self.state, []
+        picked = [m for m in (methods or []) if m in state.drafters]
+        notes += [f"{m} is unavailable: {state.unavailable[m]}" for m in (methods or []) if m in state.unavailable]
+        if not picked:
+            raise gr.Error("Pick at least one available method.")
+        count = clamp("questions", count, 1, 80, 8, notes)
+        max_new_tokens = clamp("max new tokens", max_new_tokens, 1, MAX_NEW_TOKENS, 128, notes)
+        try:
+            if subset == "per category":
+                questions = load_questions(question_set, per_category=count)
+            else:
+                questions = load_questions(question_set, limit=count)
+            steps = state.on_engine_thread(bench_steps(state.target, picked, questions, max_new_tokens=max_new_tokens))
+            folder = tempfile.mkdtemp()
+            for result in steps:
+                table = views.benchmark_table(result)
+                path = os.path.join(folder, f"specviz-{question_set}-{len(result['per_prompt'])}q.csv")
+                table.to_csv(path, index=False)
+                done = f"{len(result['per_prompt'])} of {len(questions)} questions on {result['machine']}"
+                yield table, path, "\n".join([done, *notes])
+        except SpecvizError as e:
+            raise gr.Error(str(e)) from None
+
+    def tree_view(self, runs: dict, method: str, step: int):
+        return views.tree_figure(runs, method, step, self.state.target.decode)

@@ -1,0 +1,126 @@
+"""The page: Race, Benchmark and Learn tabs wired to one ``Handlers``, and the server's launch."""
+
+from __future__ import annotations
+
+import os
+
+import gradio as gr
+
+from drafters import METHODS
+from specviz.core.errors import SpecvizError
+
+from .. import render
+from ..questions import load_questions
+from . import views
+from .handlers import Handlers
+from .plan import MAX_NEW_TOKENS, setting_specs
+from .space import GPU
+from .state import AppState
+
+DEFAULT_METHODS = ("ar", "pld", "eagle2", "redrafter")
+
+
+def examples() -> list[str]:
+    try:
+        return [q.prompt for q in load_questions("mt-bench", per_category=1)[:5] + load_questions("humaneval", limit=3)]
+    except SpecvizError:
+        return ["Write a short poem about speculative decoding.", "Explain what a KV cache is in two sentences."]
+
+
+def build_demo(state: AppState) -> gr.Blocks:
+    specs = setting_specs(state)
+    handlers = Handlers(state, specs)
+    target = state.target
+    picked = [m for m in DEFAULT_METHODS if m in state.drafters]
+    private = dict(api_visibility="private")
+    with gr.Blocks(title="specviz") as demo:
+        gr.Markdown(f"# specviz: speculative decoding, side by side\nTarget **{target.name}** on {target.device}, "
+                    f"loaded with {len(state.drafters)} methods in {state.cold_start_s:.1f} s. " + render.LEGEND)
+        if state.unavailable:
+            with gr.Accordion(f"Unavailable here: {', '.join(state.unavailable)}", open=False):
+                gr.Markdown("\n".join(f"- **{k}**: {v}" for k, v in state.unavailable.items()), elem_id="unavailable")
+        with gr.Tab("Race"):
+            with gr.Row():
+                prompt = gr.Textbox(label="Prompt", lines=4, scale=3)
+                with gr.Column(scale=2):
+                    methods = gr.Dropdown(list(METHODS), value=picked, multiselect=True, label="Methods",
+                                          info="unavailable ones explain why when picked", elem_id="methods")
+                    max_new = gr.Slider(1, MAX_NEW_TOKENS, value=128, step=1, label="Max new tokens", elem_id="max-new")
+                    with gr.Row():
+                        temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
+                        top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
+                    show_rejected = gr.Checkbox(value=True, label="Show rejected drafts (struck through)")
+            setting_inputs = []
+            with gr.Row():
+                for method in dict.fromkeys(s.method for s in specs):
+                    with gr.Accordion(f"{method} settings", open=False):
+                        setting_inputs += [gr.Slider(s.low, s.high, value=s.default, step=1, label=s.name)
+                                           for s in specs if s.method == method]
+            gr.Examples(examples(), inputs=prompt, cache_examples=False)
+            with gr.Row():
+                run_btn = gr.Button("Run", variant="primary", elem_id="run")
+                stop_btn = gr.Button("Stop", elem_id="stop")
+            message = gr.Markdown(elem_id="message")
+            with gr.Row(equal_height=False):
+                columns = [gr.HTML(visible=False, elem_id=f"col-{m}", elem_classes="sv-column") for m in METHODS]
+            with gr.Row():
+                empty = views.plots({})  # drawn at page load, so the browser has plotly ready before the first Run
+                alpha_plot = gr.Plot(empty[0], label="α_k per depth", elem_id="plot-alpha")
+                length_plot = gr.Plot(empty[1], label="tokens per step", elem_id="plot-length")
+                latency_plot = gr.Plot(empty[2], label="latency per token", elem_id="plot-latency")
+            runs = gr.State({})
+            with gr.Row():
+                tree_method = gr.Dropdown([], label="Draft tree of", scale=1, elem_id="tree-method")
+                tree_step = gr.Slider(1, 2, value=1, step=1, label="Step", scale=3)
+            tree_plot = gr.Plot(label="draft tree", elem_id="plot-tree")
+            run_btn.click(GPU(handlers.race), [prompt, methods, max_new, temperature, top_p, show_rejected,
+                                               *setting_inputs],
+                          [*columns, alpha_plot, length_plot, latency_plot, message, runs], api_name="race",
+                          concurrency_id="engine", show_progress="hidden")
+            stop_btn.click(handlers.stop, None, None, api_name="stop", concurrency_limit=None)
+            tree_inputs = [runs, tree_method, tree_step]
+            runs.change(views.tree_choices, runs, [tree_method, tree_step], **private).then(
+                handlers.tree_view, tree_inputs, tree_plot, **private)
+            tree_method.input(handlers.tree_view, tree_inputs, tree_plot, **private)
+            tree_step.release(handlers.tree_view, tree_inputs, tree_plot, **private)
+        with gr.Tab("Benchmark"):
+            with gr.Row():
+                bench_set = gr.Dropdown(["mt-bench", "humaneval"], value="mt-bench", label="Questions")
+                bench_subset = gr.Radio(["first N", "per category"], value="per category", label="Subset")
+                bench_count = gr.Slider(1, 80, value=1, step=1, label="N")
+                bench_tokens = gr.Slider(16, MAX_NEW_TOKENS, value=128, step=16, label="Max new tokens")
+            bench_methods = gr.Dropdown(list(METHODS), value=picked, multiselect=True, label="Methods")
+            with gr.Row():
+                bench_btn = gr.Button("Run benchmark", variant="primary")
+                bench_stop = gr.Button("Stop")
+            bench_status = gr.Markdown()
+            bench_table = gr.Dataframe(
+                label="τ and speedup vs AR, per method and category (same process, same prompts)")
+            bench_csv = gr.File(label="CSV")
+            bench_event = bench_btn.click(GPU(handlers.benchmark),
+                                          [bench_set, bench_subset, bench_count, bench_methods, bench_tokens],
+                                          [bench_table, bench_csv, bench_status], concurrency_id="engine",
+                                          api_name="benchmark")
+            bench_stop.click(None, cancels=[bench_event])
+        with gr.Tab("Learn"):
+            gr.Markdown(views.learn_text(state))
+        # plain typed values, so absurd ones reach the clamps
+        gr.api(GPU(handlers.compare), api_name="compare", concurrency_id="engine")
+    return demo
+
+
+def calm_queue(queue) -> None:
+    """Gradio's queue loop polls every 1 ms on Linux (and its progress loop every 10 ms), even when idle;
+    on 2 cores that took about 12 % of the engine's speed. 20 ms and 100 ms cost nothing visible.
+    These are attributes of Gradio's queue object, not public settings: left alone where they are missing."""
+    if hasattr(queue, "sleep_when_free"):
+        queue.sleep_when_free = max(queue.sleep_when_free, 0.02)
+    if hasattr(queue, "progress_update_sleep_when_free"):
+        queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, 0.1)
+
+
+def launch(demo: gr.Blocks) -> None:
+    demo.queue(default_concurrency_limit=1)
+    calm_queue(demo._queue)
+    demo.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+                server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), css=render.CSS)

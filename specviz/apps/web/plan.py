@@ -1,0 +1,110 @@
+"""Checking and clamping a request before it runs: every out-of-range value is clamped and noted,
+and a request that cannot run at all is a ``SettingsError`` with the reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from drafters import METHODS
+from specviz.core.errors import SettingsError, SpecvizError
+from specviz.core.protocol import Drafter
+from specviz.core.verify import Sampling
+
+from .state import AppState
+
+MAX_NEW_TOKENS = 512
+SLIDER_MAX = 64  # the highest value a settings slider offers
+
+
+def clamp(label: str, value, low, high, default, notes: list[str], cast=int):
+    """``value`` within [low, high]; a missing or unreadable value is the default. Notes every change."""
+    try:
+        number = cast(value)
+        if number != number:  # NaN
+            raise ValueError
+    except (TypeError, ValueError):
+        notes.append(f"{label}: {value!r} is not a number; used {default}")
+        return default
+    kept = min(max(number, low), high)
+    if kept != number:
+        notes.append(f"{label} clamped to {kept} (allowed {low} to {high})")
+    return kept
+
+
+@dataclass
+class Plan:
+    ids: list[int]
+    drafters: dict[str, Drafter]
+    sampling: Sampling
+    max_new_tokens: int
+    notes: list[str]
+
+
+def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature, top_p,
+              settings: dict | None) -> Plan:
+    """Check and clamp a request; raise SettingsError when nothing can run, else note what changed."""
+    notes: list[str] = []
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise SettingsError("The prompt is empty: type a question or pick an example.")
+    methods = list(dict.fromkeys(methods or []))
+    for m in methods:
+        if m not in METHODS:
+            notes.append(f"{m}: unknown method (choose from {', '.join(METHODS)})")
+        elif m in state.unavailable:
+            notes.append(f"{m} is unavailable: {state.unavailable[m]}")
+    methods = [m for m in methods if m in state.drafters]
+    if not methods:
+        raise SettingsError("Pick at least one available method. " + "; ".join(notes))
+    temperature = clamp("temperature", temperature, 0.0, 2.0, 0.0, notes, float)
+    top_p = clamp("top-p", top_p, 0.05, 1.0, 1.0, notes, float)
+    ids = state.target.encode_chat(prompt)
+    room = state.target.max_length - len(ids)
+    if room < 1:
+        raise SettingsError(f"The prompt has {len(ids)} tokens; the target's context is {state.target.max_length}.")
+    max_new_tokens = clamp("max new tokens", max_new_tokens, 1, min(MAX_NEW_TOKENS, room), 128, notes)
+    chosen = {}
+    for m in methods:
+        limits = state.limits(m)
+        given = (settings or {}).get(m) or {}
+        clamped = {k: clamp(f"{m} {k}", v, *limits[k], v, notes) if k in limits else v for k, v in given.items()}
+        try:
+            chosen[m] = state.drafter(m, clamped)
+        except SpecvizError as e:
+            notes.append(f"{m}: {e}")
+    if not chosen:
+        raise SettingsError("; ".join(notes))
+    return Plan(ids, chosen, Sampling(temperature=temperature, top_p=top_p, seed=0), max_new_tokens, notes)
+
+
+@dataclass
+class SettingSpec:
+    """One integer setting of one method, as a slider."""
+
+    method: str
+    name: str
+    low: int
+    high: int
+    default: int
+
+
+def setting_specs(state: AppState) -> list[SettingSpec]:
+    """Every integer setting with a range of every available method, for the per-method accordions."""
+    specs = []
+    for method, (_, settings_cls) in METHODS.items():
+        if method not in state.drafters:
+            continue
+        limits, defaults = state.limits(method), state.defaults(method)
+        for f in fields(settings_cls):
+            if f.name in limits and isinstance(f.default, int):
+                low, high = limits[f.name]
+                if low < high:  # a setting with one possible value gets no slider
+                    specs.append(SettingSpec(method, f.name, low, min(high, SLIDER_MAX), defaults[f.name]))
+    return specs
+
+
+def slider_settings(specs: list[SettingSpec], values) -> dict[str, dict]:
+    """The sliders' values as {method: {setting: value}}."""
+    settings: dict[str, dict] = {}
+    for spec, value in zip(specs, values):
+        settings.setdefault(spec.method, {})[spec.name] = value
+    return settings

@@ -1,0 +1,87 @@
+"""The web app's state, built once in a function: the target, the drafters, why others are unavailable,
+and the one engine thread every torch call runs on.
+
+Torch on CPU ran at half speed when Gradio's worker threads took turns (each thread its own OpenMP
+team: 12 vs 25 tokens/s on the embedded model), so the engine is a single-thread executor.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from drafters import METHODS, build_drafter
+from specviz.core.errors import SpecvizError
+from specviz.core.load import load_target
+from specviz.core.protocol import Drafter
+from specviz.core.target import TargetModel
+
+MAX_BUILT = 32  # drafters kept at non-default settings
+
+
+@dataclass
+class AppState:
+    target: TargetModel
+    drafters: dict[str, Drafter] = field(default_factory=dict)  # available methods at their defaults
+    unavailable: dict[str, str] = field(default_factory=dict)  # method -> why it cannot run here
+    configured: dict[str, dict] = field(default_factory=dict)  # per-method settings given at start
+    engine: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="engine"))
+    stops: dict[str, threading.Event] = field(default_factory=dict)  # each session's running race
+    built: dict[tuple, Drafter] = field(default_factory=dict)
+    cold_start_s: float = 0.0
+
+    def on_engine(self, fn, *args, **kwargs):
+        return self.engine.submit(fn, *args, **kwargs).result()
+
+    def on_engine_thread(self, steps: Iterator) -> Iterator:
+        """Advance a generator on the engine thread, one item at a time; closing it closes ``steps`` there."""
+        done = object()
+        try:
+            while (item := self.on_engine(next, steps, done)) is not done:
+                yield item
+        finally:
+            self.on_engine(steps.close)
+
+    def defaults(self, name: str) -> dict:
+        """The settings ``name`` starts with here: its defaults for this target, then what was configured."""
+        return {**METHODS[name][1].defaults(self.target), **self.configured.get(name, {})}
+
+    def limits(self, name: str) -> dict[str, tuple]:
+        return METHODS[name][1].limits(self.target)
+
+    def load_drafters(self) -> None:
+        """Every method at its defaults; a method that cannot be built is listed with its reason."""
+        for name in METHODS:
+            try:
+                self.drafters[name] = build_drafter(name, self.target, **self.defaults(name))
+            except SpecvizError as e:
+                self.unavailable[name] = str(e)
+
+    def drafter(self, name: str, settings: dict) -> Drafter:
+        """``name`` with ``settings``: the preloaded drafter at its defaults, else one built once and kept."""
+        full = {**self.defaults(name), **settings}
+        if full == self.defaults(name):
+            return self.drafters[name]
+        key = (name, tuple(sorted(full.items())))
+        if key not in self.built:
+            if len(self.built) >= MAX_BUILT:
+                self.built.clear()
+            self.built[key] = self.on_engine(build_drafter, name, self.target, **full)
+        return self.built[key]
+
+
+def load_state(target: str | None = None, dtype: str = "float32", device: str | None = None,
+               assistant: str | None = None, warm_up=None) -> AppState:
+    """Load the target and every drafter on the engine thread, then run ``warm_up(state)`` there."""
+    start = time.perf_counter()
+    engine = ThreadPoolExecutor(1, thread_name_prefix="engine")
+    model = engine.submit(load_target, target, dtype, device).result()
+    state = AppState(model, configured={"sps": {"assistant": assistant}} if assistant else {}, engine=engine)
+    state.on_engine(state.load_drafters)
+    if warm_up is not None:
+        state.on_engine(warm_up, state)
+    state.cold_start_s = time.perf_counter() - start
+    return state

@@ -1,0 +1,148 @@
+"""What the web app shows, built from race lanes and bench results: columns, plots, tables, notes.
+
+Columns and the message go out as plain values, never ``gr.update``/``gr.skip``: Gradio rebuilds a
+component for every update dict it gets, which cost the engine several per cent while streaming."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import gradio as gr
+
+from drafters import METHODS
+from specviz.core.metrics import extra_memory_pct, identical, speedup, summarize
+
+from .. import render, teaching
+from ..race import Lane, race
+from .plan import Plan
+from .state import AppState
+
+PLOT_EVERY_S = 3.0  # the plots are redrawn at most this often while streaming
+
+
+def plots(runs: dict) -> list:
+    """The Race tab's live plots: α_k per depth, tokens per step, latency per token."""
+    return [render.acceptance_figure(runs), render.accepted_length_figure(runs), render.latency_figure(runs)]
+
+
+def warm_up(state: AppState) -> None:
+    """Two tokens from every method and one of each plot, so the first Run pays no one-off costs."""
+    try:
+        lanes = race(state.target, state.drafters, state.target.encode_chat("Hi"), 2)
+        plots({lane.label: lane.records for lane in lanes})
+    except Exception as e:  # a slower first Run is no reason to refuse to start
+        print(f"specviz: warm-up failed ({e!r}); continuing", file=sys.stderr)
+
+
+class RaceView:
+    """Turns race lanes into the Race tab's outputs: the columns that moved are rebuilt, plots every few seconds."""
+
+    def __init__(self, plan: Plan, decode, show_rejected: bool):
+        self.plan, self.decode, self.show_rejected = plan, decode, show_rejected
+        self.lanes: dict[str, Lane] = {}
+        self.spans: dict[str, list[str]] = {m: [] for m in plan.drafters}
+        self.html: dict[str, str] = {m: "" for m in METHODS}  # every column as last sent
+        self.notes = ""  # the message as sent at the start
+        self.plotted = time.perf_counter()
+
+    def column(self, label: str) -> str:
+        lane, ar = self.lanes.get(label), self.lanes.get("ar")
+        records = lane.records if lane else []
+        clock = lane.clock if lane else 0.0
+        m = summarize(records, clock)
+        bits = [f"{m.new_tokens} tokens", f"τ {m.tau:.2f}", f"{m.tokens_per_s:.1f} tok/s"]
+        if ar is not None and label != "ar" and ar.clock > 0 and ar.records:
+            bits.append(f"{speedup(m.new_tokens, clock, len(ar.output_ids), ar.clock):.2f}× AR")
+        done = lane is not None and lane.finished
+        head = (f'<div class="sv-head" data-done="{int(done)}"><b>{label}</b> · {" · ".join(bits)}'
+                f'{self.badge(lane, ar)}{" · done" if done else ""}</div>')
+        error = f'<p class="sv-error">stopped: {render.escape(lane.error)}</p>' if lane and lane.error else ""
+        return head + '<div class="sv-tokens">' + "".join(self.spans[label]) + "</div>" + error
+
+    def badge(self, lane: Lane | None, ar: Lane | None) -> str:
+        if lane is None or ar is None or lane is ar:
+            return ""
+        if not self.plan.sampling.greedy:
+            return ' · <span title="sampling: same distribution as AR, different tokens">sampled</span>'
+        if not identical(lane.output_ids, ar.output_ids, so_far=True):
+            return ' · <span class="sv-differs">❌ differs from AR</span>'
+        final = lane.finished and ar.finished
+        return f' · <span class="sv-same">✅ identical to AR{"" if final else " so far"}</span>'
+
+    def start(self) -> tuple:
+        self.html.update({m: self.column(m) for m in self.plan.drafters})
+        self.notes = self.message()
+        columns = [gr.update(visible=m in self.plan.drafters, value=self.html[m]) for m in METHODS]
+        return (*columns, gr.skip(), gr.skip(), gr.skip(), self.notes, gr.skip())
+
+    def advance(self, lanes: list[Lane]) -> tuple:
+        """Redraw the columns of the lanes that stepped (all of them when AR moved: their speedups)."""
+        moved: set[str] = set()
+        for lane in lanes:
+            self.lanes[lane.label] = lane
+            spans = self.spans[lane.label]
+            spans[len(spans):] = [render.step_html(r, self.decode, self.show_rejected)
+                                  for r in lane.records[len(spans):]]
+            moved |= {lane.label} | (set(self.lanes) if lane.label == "ar" else set())
+        self.html.update({m: self.column(m) for m in moved})
+        now = time.perf_counter()
+        figures = [gr.skip()] * 3
+        if now - self.plotted >= PLOT_EVERY_S:
+            figures, self.plotted = self.figures(), now
+        return (*self.html.values(), *figures, self.notes, gr.skip())
+
+    def finish(self) -> tuple:
+        self.html.update({m: self.column(m) for m in self.plan.drafters})
+        runs = {k: {"records": v.records, "clock": v.clock, "error": v.error} for k, v in self.lanes.items()}
+        return (*self.html.values(), *self.figures(), self.message(), runs)
+
+    def figures(self) -> list:
+        return plots({k: v.records for k, v in self.lanes.items()})
+
+    def message(self) -> str:
+        notes = list(self.plan.notes)
+        if stopped := [m for m in self.plan.drafters if m in self.lanes and not self.lanes[m].finished]:
+            notes.append(f"Stopped: {', '.join(stopped)} did not finish; the columns, plots and trees show what ran.")
+        return "\n".join(f"- {n}" for n in notes)
+
+
+def tree_choices(runs: dict):
+    """The tree view's methods (those that drafted) and steps; it opens on the first step with a tree."""
+    drafted = {m: [r.step for r in run["records"] if len(r.tree)] for m, run in (runs or {}).items()}
+    methods = [m for m, steps in drafted.items() if steps]
+    first = methods[0] if methods else None
+    steps = max((len(runs[m]["records"]) - 1 for m in methods), default=1)
+    return (gr.update(choices=methods, value=first),
+            gr.update(maximum=max(steps, 2), value=drafted[first][0] if first else 1))
+
+
+def tree_figure(runs: dict, method: str, step: int, decode):
+    records = ((runs or {}).get(method) or {}).get("records", [])
+    record = next((r for r in records if r.step == int(step)), None)
+    return render.tree_figure(record, decode, method or "")
+
+
+def benchmark_table(result: dict):
+    """τ, speedup, tok/s and identical-to-AR per method, and τ and speedup per category."""
+    import pandas as pd
+
+    rows = []
+    for label, m in result["methods"].items():
+        row = {"method": label, "τ": round(m.get("tau", 1.0), 2), "speedup": round(m["speedup"], 2),
+               "tok/s": round(m["tokens_per_s"], 1), "identical to AR": f"{m['identical_to_ar']}/{m['prompts']}"}
+        for cat, c in sorted(m["by_category"].items()):
+            row[f"{cat} τ"] = None if c["tau"] is None else round(c["tau"], 2)
+            row[f"{cat} ×"] = round(c["speedup"], 2)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def learn_text(state: AppState) -> str:
+    parts = ["Papers: " + " · ".join(f"[{k}]({v})" if v else k for k, v in teaching.PAPERS.items()),
+             teaching.READING]
+    for name, drafter in state.drafters.items():
+        params = drafter.num_parameters()
+        parts.append(teaching.note(name, drafter.title, params, extra_memory_pct(params, state.target.num_parameters)))
+    parts += [f"### {k}\n**Unavailable here:** {v}" for k, v in state.unavailable.items()]
+    return "\n\n".join(parts)

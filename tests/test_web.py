@@ -1,0 +1,114 @@
+"""The web app in-process: state, planning and clamping, views, handlers and layout on a tiny target
+(the embedded tokenizer, hidden 64), without a server. test_app.py covers the same through gradio_client."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
+
+from app_harness import tiny_target_folder
+from drafters import METHODS
+from specviz.apps import teaching
+from specviz.apps.web import space
+from specviz.apps.web.handlers import Handlers
+from specviz.apps.web.layout import build_demo
+from specviz.apps.web.plan import plan_race, setting_specs, slider_settings
+from specviz.apps.web.state import AppState, load_state
+from specviz.apps.web.views import RaceView, learn_text, tree_choices, warm_up
+from specviz.core.errors import SettingsError
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory) -> AppState:
+    folder = tiny_target_folder(tmp_path_factory.mktemp("tiny") / "target")
+    return load_state(str(folder), warm_up=warm_up)
+
+
+@pytest.fixture(scope="module")
+def handlers(state) -> Handlers:
+    return Handlers(state, setting_specs(state))
+
+
+def test_state_lists_what_cannot_run_with_the_reason(state):
+    assert {"ar", "pld", "skip"} <= set(state.drafters)
+    assert "hidden_size=576" in state.unavailable["eagle2"]  # the shipped checkpoint is for the embedded target
+    assert "sps needs an assistant model" in state.unavailable["sps"]
+    assert set(state.drafters) | set(state.unavailable) == set(METHODS) and state.cold_start_s > 0
+
+
+def test_defaults_and_limits_come_from_the_settings_classes(state):
+    assert state.limits("skip")["layers"] == (1, 1)  # a 2-layer target: at most one layer as the draft
+    assert state.defaults("skip")["layers"] == 1 and state.drafters["skip"].settings.layers == 1
+    sliders = {(s.method, s.name) for s in setting_specs(state)}
+    assert ("skip", "num_tokens") in sliders and ("skip", "layers") not in sliders  # one possible value: no slider
+    assert state.drafter("pld", {}) is state.drafters["pld"]
+    other = state.drafter("pld", {"num_tokens": 3})
+    assert other is not state.drafters["pld"] and state.drafter("pld", {"num_tokens": 3}) is other
+
+
+def test_plan_clamps_and_notes(state):
+    plan = plan_race(state, "Count.", ["ar", "pld", "eagle2", "nope"], 10**6, 9.0, -3.0,
+                     {"pld": {"num_tokens": 10**6}})
+    notes = " | ".join(plan.notes)
+    assert "max new tokens clamped to 512" in notes and "temperature clamped to 2.0" in notes
+    assert "top-p clamped to 0.05" in notes and "pld num_tokens clamped to 64" in notes
+    assert "eagle2 is unavailable" in notes and "nope: unknown method" in notes
+    assert set(plan.drafters) == {"ar", "pld"} and plan.drafters["pld"].settings.num_tokens == 64
+    for prompt, methods, match in [(" ", ["ar"], "prompt is empty"), ("hi", ["eagle2"], "at least one available")]:
+        with pytest.raises(SettingsError, match=match):
+            plan_race(state, prompt, methods, 8, 0, 1, None)
+
+
+def test_slider_values_map_back_to_settings(state):
+    specs = setting_specs(state)
+    settings = slider_settings(specs, [s.default for s in specs])
+    assert settings["pld"] == {k: v for k, v in state.defaults("pld").items() if k in settings["pld"]}
+
+
+def test_compare_is_lossless_and_serialisable(handlers):
+    out = handlers.compare("Say hello.", ["ar", "pld", "skip"], 12)
+    assert out["notes"] == [] and set(out["methods"]) == {"ar", "pld", "skip"}
+    for res in out["methods"].values():
+        assert res["identical_to_ar"] and res["text"] == out["methods"]["ar"]["text"]
+        assert len(res["tokens"]) == res["metrics"]["new_tokens"] == 12
+    with pytest.raises(gr.Error, match="prompt is empty"):
+        handlers.compare("", ["ar"], 8)
+
+
+def test_race_streams_columns_then_plots_and_runs(handlers, state):
+    specs = handlers.specs
+    updates = list(handlers.race(SimpleNamespace(session_hash="s1"), "Hi there", ["ar", "pld"], 10, 0, 1, True,
+                                 *[s.default for s in specs]))
+    columns, runs = updates[-1][: len(METHODS)], updates[-1][-1]
+    ar, pld = columns[list(METHODS).index("ar")], columns[list(METHODS).index("pld")]
+    assert "10 tokens" in ar and 'data-done="1"' in pld and "✅ identical to AR" in pld
+    assert set(runs) == {"ar", "pld"} and "s1" not in state.stops  # the session's stop flag is gone
+    methods, _ = tree_choices(runs)
+    assert set(methods["choices"]) <= {"pld"}
+
+
+def test_race_view_notes_methods_that_did_not_finish(state):
+    plan = plan_race(state, "Hi", ["ar", "pld"], 8, 0, 1, None)
+    view = RaceView(plan, state.target.decode, show_rejected=False)
+    view.lanes = {"ar": SimpleNamespace(finished=False)}
+    assert re.search(r"Stopped: ar did not finish", view.message())
+
+
+def test_learn_tab_names_papers_not_internal_labels(state):
+    text = learn_text(state)
+    assert "seed" not in text.lower() and "HASS" in text and "Unavailable here" in text
+    assert set(METHODS) <= set(teaching.NOTES)
+
+
+def test_the_page_builds_without_a_server(state):
+    demo = build_demo(state)
+    ids = {c.get("props", {}).get("elem_id") for c in demo.config["components"]}
+    assert {"run", "stop", "methods", "plot-alpha", "plot-tree", "col-ar"} <= ids
+
+
+def test_spaces_helpers_off_a_space():
+    assert space.installed("torch") and not space.installed("no-such-package-here")
+    assert space.GPU(len) is len or space.GPU(len)([1]) == 1
