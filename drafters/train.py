@@ -1,22 +1,29 @@
-"""The one training pipeline for every trained drafter.
+"""The one training pipeline for every trained drafter, on ``accelerate``.
 
 ShareGPT prompts -> (self-distilled) answers -> frozen target features -> the method's own loss
 -> a bf16 safetensors checkpoint with a JSON card. Methods plug in through the training protocol
 of ``TrainedDrafter``: ``new_network(target)`` and ``training_loss(net, frozen, tokens, feats, valid, evaluate)``.
+The same code runs on a CPU, one GPU, or several through ``accelerate launch``; its state is saved in a
+work folder every ``save_every`` steps, so ``resume`` continues to the weights an unbroken run reaches.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from specviz.core.errors import SettingsError
+from specviz.core.load import fast_dtype
 from specviz.core.metrics import extra_memory_pct
 
 from .checkpoint import save_checkpoint, target_signature
@@ -36,10 +43,20 @@ class TrainConfig:
     draft_vocab: int = 8192  # 0 = the target's full vocabulary
     seed: int = 0
     device: str = "cpu"
+    precision: str = "no"  # "bf16" autocast, "no" (fp32), or "auto": bf16 where the hardware is fast at it
+    save_every: int = 100  # steps between saved training states (for resume)
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.lr <= 0 or self.batch_tokens < 16 or self.max_length < 4:
+        if self.epochs < 1 or self.lr <= 0 or self.batch_tokens < 16 or self.max_length < 4 or self.save_every < 1:
             raise SettingsError(f"invalid training settings: {self}")
+        if self.precision not in ("no", "bf16", "auto"):
+            raise SettingsError(f"precision must be no, bf16 or auto, got {self.precision!r}")
+
+    @property
+    def mixed_precision(self) -> str:
+        if self.precision == "auto":
+            return "bf16" if fast_dtype(self.device) == torch.bfloat16 else "no"
+        return self.precision
 
 
 def batches(data: FeatureSet, cfg: TrainConfig, gen: torch.Generator) -> list[list[int]]:
@@ -48,7 +65,7 @@ def batches(data: FeatureSet, cfg: TrainConfig, gen: torch.Generator) -> list[li
     return length_batches(lengths, cfg.batch_tokens, gen)
 
 
-def make_batch(data: FeatureSet, ids: list[int], cfg: TrainConfig, device):
+def make_batch(data: FeatureSet, ids: list[int], cfg: TrainConfig, device="cpu"):
     """Right-padded tokens [B,T], features [B,T,H] (fp32) and valid [B,T]: predictions that count."""
     seqs = [data.sequence(i) for i in ids]
     width = min(cfg.max_length, max(s[0].numel() for s in seqs))
@@ -77,66 +94,136 @@ def evaluate(method: type[TrainedDrafter], net, frozen, data: FeatureSet, cfg: T
     return {k: round(v / max(weight, 1), 4) for k, v in totals.items()}
 
 
+def cosine_with_warmup(total_steps: int, warmup: float) -> Callable[[int], float]:
+    warm = max(1, int(warmup * total_steps))
+    decay = max(1, total_steps - warm)
+    return lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / decay))
+
+
+@dataclass
+class Progress:
+    """What a saved training state adds to accelerate's own: where the run stands."""
+
+    step: int = 0
+    wall_s: float = 0.0
+    tokens: int = 0  # answer tokens whose predictions were trained on
+    running: dict | None = None
+    history: list | None = None
+
+    def save(self, folder: Path) -> None:
+        (folder / "progress.json").write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, folder: Path) -> "Progress":
+        return cls(**json.loads((folder / "progress.json").read_text()))
+
+
 def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: FeatureSet, cfg: TrainConfig,
-          data_meta: dict, out: Path | None = None) -> dict:
-    """Train ``method`` (a drafter class) on ``train_set``; save to ``out`` and return its card."""
+          data_meta: dict, out: Path | None = None, work: Path | None = None, resume: bool = False,
+          accelerator: Accelerator | None = None, after_step: Callable[[int], None] | None = None) -> dict:
+    """Train ``method`` on ``train_set``; save to ``out`` and return its card.
+
+    With ``work``, the training state is saved there every ``cfg.save_every`` steps and after every
+    epoch; ``resume`` continues from it. The target must sit on the accelerator's device (one process
+    per device under ``accelerate launch``). ``after_step(step)`` runs after every optimizer step."""
+    accelerator = accelerator or make_accelerator(cfg)
+    if target.device != accelerator.device:
+        raise SettingsError(f"the target is on {target.device}, this process trains on {accelerator.device}")
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    device = torch.device(cfg.device)
     eos = sorted(target.eos_token_ids)
     vocab_map = draft_vocabulary(train_set.tokens, cfg.draft_vocab, target.vocab_size, always=eos)
     coverage = float(torch.isin(train_set.tokens, vocab_map).float().mean())
     frozen = FrozenTarget(target, vocab_map)
-    net = method.new_network(target).to(device).float().train()
-    params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    net = method.new_network(target).float().train()
+    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     plan = [batches(train_set, cfg, gen) for _ in range(cfg.epochs)]
     total_steps = sum(len(p) for p in plan)
-    warm = max(1, int(cfg.warmup * total_steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: ((s + 1) / warm if s < warm
-                        else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total_steps - warm)))))
-    start, step, history = time.perf_counter(), 0, []
-    bar = tqdm(total=total_steps, desc=f"train {method.name}", unit="step")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup(total_steps, cfg.warmup))
+    net, opt, sched = accelerator.prepare(net, opt, sched)
+    state = None if work is None else Path(work) / "state"
+    progress = Progress(running={}, history=[])
+    if resume:
+        if state is None or not (state / "progress.json").exists():
+            raise SettingsError(f"nothing to resume in {work}: no saved training state")
+        accelerator.load_state(str(state))
+        progress = Progress.load(state)
+    start = time.perf_counter() - progress.wall_s
+    bar = tqdm(total=total_steps, initial=progress.step, desc=f"train {method.name}", unit="step",
+               disable=not accelerator.is_main_process)
+
+    def save() -> None:
+        if state is not None:
+            accelerator.save_state(str(state))
+            progress.wall_s = time.perf_counter() - start
+            if accelerator.is_main_process:
+                progress.save(state)
+
+    first = 0  # the first step of this epoch
     for epoch, epoch_batches in enumerate(plan):
-        running = {}
-        for ids in epoch_batches:
-            tokens, feats, valid = make_batch(train_set, ids, cfg, device)
-            loss, stats = method.training_loss(net, frozen, tokens, feats, valid)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-            opt.step()
-            sched.step()
-            step += 1
-            for k, v in stats.items():
-                running[k] = 0.9 * running.get(k, v) + 0.1 * v
-            bar.update()
-            bar.set_postfix({k: f"{v:.3f}" for k, v in running.items() if k.startswith(("acc1", "loss1"))})
-        val = evaluate(method, net, frozen, val_set, cfg)
-        history.append({"epoch": epoch + 1, "train": {k: round(v, 4) for k, v in running.items()}, "val": val})
-        tqdm.write(f"{method.name} epoch {epoch + 1}: val {val}")
+        skip = max(0, progress.step - first)  # steps of this epoch made before a resume
+        first += len(epoch_batches)
+        if epoch < len(progress.history):  # trained, evaluated and saved before a resume
+            continue
+        if skip < len(epoch_batches):
+            loader = accelerator.prepare_data_loader(DataLoader(
+                range(len(train_set)), batch_sampler=epoch_batches,
+                collate_fn=lambda ids: make_batch(train_set, ids, cfg)))
+            for tokens, feats, valid in accelerator.skip_first_batches(loader, skip) if skip else loader:
+                with torch.autocast(accelerator.device.type, torch.bfloat16, enabled=cfg.mixed_precision == "bf16"):
+                    loss, stats = method.training_loss(net, frozen, tokens, feats, valid)
+                opt.zero_grad(set_to_none=True)
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(net.parameters(), cfg.clip)
+                opt.step()
+                sched.step()
+                progress.step, progress.tokens = progress.step + 1, progress.tokens + int(valid.sum())
+                for k, v in stats.items():
+                    progress.running[k] = 0.9 * progress.running.get(k, v) + 0.1 * v
+                bar.update()
+                bar.set_postfix(tok_s=f"{progress.tokens / max(time.perf_counter() - start, 1e-9):.0f}",
+                                **{k: f"{v:.3f}" for k, v in progress.running.items() if k in ("acc1", "loss1")})
+                if after_step is not None:
+                    after_step(progress.step)
+                if progress.step % cfg.save_every == 0:
+                    save()
+        val = evaluate(method, accelerator.unwrap_model(net), frozen, val_set, cfg)
+        progress.history.append({"epoch": epoch + 1, "train": {k: round(v, 4) for k, v in progress.running.items()},
+                                 "val": val})
+        progress.running = {}
+        tqdm.write(f"{method.name} epoch {epoch + 1}: validation agreement by depth "
+                   + " ".join(f"{val[f'acc{d}']:.3f}" for d in range(1, 9) if f"acc{d}" in val))
+        save()
     bar.close()
-    wall = time.perf_counter() - start
+    net = accelerator.unwrap_model(net)
     trained = sum(p.numel() for p in net.parameters())
     extra = trained + frozen.head.numel()
+    device = accelerator.device
     card = {
         "method": method.name,
         "title": method.title,
         "target": target_signature(target),
         "data": data_meta,
-        "training": {**asdict(cfg), "steps": step, "wall_s": round(wall, 1),
+        "training": {**asdict(cfg), "steps": progress.step, "answer_tokens_seen": progress.tokens,
+                     "wall_s": round(time.perf_counter() - start, 1), "processes": accelerator.num_processes,
+                     "mixed_precision": cfg.mixed_precision,
                      "machine": f"{platform.machine()} {torch.get_num_threads()} threads" if device.type == "cpu"
                      else torch.cuda.get_device_name(device)},
         "draft_vocab": {"size": int(vocab_map.numel()), "train_token_coverage": round(coverage, 4)},
-        "history": history,
+        "history": progress.history,
         "parameters": {"trained": trained, "lm_head_rows_copied": frozen.head.numel(), "extra_total": extra,
                        "extra_memory_pct": round(extra_memory_pct(extra, target.num_parameters), 2)},
         "lm_head": "the target's frozen, tied LM head restricted to the draft vocabulary (not trained, not stored)",
         "mtbench": None,
     }
-    if out is not None:
-        state = {k: v.detach() for k, v in net.state_dict().items()}
-        state["vocab_map"] = vocab_map.int()
-        save_checkpoint(out, state, card)
+    if out is not None and accelerator.is_main_process:
+        weights = {k: v.detach() for k, v in net.state_dict().items()}
+        weights["vocab_map"] = vocab_map.int()
+        save_checkpoint(out, weights, card)
     return card
+
+
+def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    """One process's accelerator: the CPU when the config says so, else the device ``accelerate launch`` gives.
+    bf16 is torch's own autocast around the loss (``cfg.precision``), not accelerate's process-wide setting."""
+    return Accelerator(cpu=torch.device(cfg.device).type == "cpu")

@@ -605,6 +605,19 @@ def test_first_turns_skips_conversations_not_opened_by_a_human(tmp_path, monkeyp
     assert [e.id for e in corpus.first_turns(limit=1)] == ["c0"]
 
 
+def test_continuation_chunks_give_their_first_human_turn(tmp_path, monkeypatch):
+    chunk = {"id": "c7", "conversations": [{"from": "gpt", "value": "earlier reply"},
+                                           {"from": "human", "value": "follow-up"}, {"from": "gpt", "value": "ok"}]}
+    long_prompt = {"id": "c8", "conversations": [{"from": "human", "value": "x" * 2000}, {"from": "gpt", "value": "y"}]}
+    items = [conversation(0), chunk, conversation(3, first="gpt"), long_prompt, conversation(0)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(items), encoding="utf-8")
+    monkeypatch.setattr(corpus, "sharegpt_file", lambda: path)
+    got = [(e.id, e.prompt, e.answer) for e in corpus.first_turns(max_chars=None, continuations=True)]
+    assert got == [("c0", "question 0", "answer 0"), ("c7", "follow-up", "ok"), ("c8", "x" * 2000, "y")]
+    assert [e.id for e in corpus.first_turns()] == ["c0"]  # the default keeps the human-opened, short ones
+
+
 def test_validation_split_is_stable_and_sized():
     ids = [f"conv-{i}" for i in range(2000)]
     split = [corpus.is_validation(i, 0.1) for i in ids]
@@ -634,6 +647,9 @@ def test_sharegpt_file_that_is_not_a_list(tmp_path):
         list(read_sharegpt(path))
 
 
+RECIPE = corpus.DataRecipe(8, max_new_tokens=6, val_fraction=0.2, batch_size=4)
+
+
 def test_prepare_reuses_saved_sequences(target, tmp_path, monkeypatch):
     """The slow self-distillation runs once: its token file (cache or shipped) rebuilds identical features."""
     items = [conversation(i) for i in range(12)]
@@ -642,7 +658,7 @@ def test_prepare_reuses_saved_sequences(target, tmp_path, monkeypatch):
     monkeypatch.setattr(corpus, "sharegpt_file", lambda: path)
     monkeypatch.setattr(target, "encode_chat", lambda text: [3 + int(text.split()[-1]) % 50, 1, 2], raising=False)
     cache, shipped = tmp_path / "cache", tmp_path / "shipped"
-    first, first_val, meta = corpus.prepare(target, 8, max_new_tokens=6, val_fraction=0.2, batch_size=4,
+    first, first_val, meta = corpus.prepare(target, RECIPE,
                                             cache=cache, shipped=shipped)
     assert len(first) == 8 and len(first_val) >= 1 and meta["train_samples"] == 8
     (sequences,) = cache.glob("sequences-*.safetensors")
@@ -655,7 +671,7 @@ def test_prepare_reuses_saved_sequences(target, tmp_path, monkeypatch):
         raise AssertionError("self-distilled again")
 
     monkeypatch.setattr(corpus, "self_distill", no_distilling)
-    again, again_val, meta_again = corpus.prepare(target, 8, max_new_tokens=6, val_fraction=0.2, batch_size=4,
+    again, again_val, meta_again = corpus.prepare(target, RECIPE,
                                                   cache=cache, shipped=shipped)
     assert torch.equal(again.tokens, first.tokens) and torch.equal(again.answer_starts, first.answer_starts)
     assert torch.equal(again.features, first.features) and torch.equal(again_val.tokens, first_val.tokens)
@@ -664,4 +680,4 @@ def test_prepare_reuses_saved_sequences(target, tmp_path, monkeypatch):
     for features in cache.glob("*-*.safetensors"):
         features.unlink()
     with pytest.raises(corpus.DataError, match="unreadable"):
-        corpus.prepare(target, 8, max_new_tokens=6, val_fraction=0.2, batch_size=4, cache=cache, shipped=shipped)
+        corpus.prepare(target, RECIPE, cache=cache, shipped=shipped)

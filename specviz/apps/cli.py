@@ -26,6 +26,20 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def _data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--samples", default="1000", help="ShareGPT prompts for training, or 'all'")
+    p.add_argument("--prompts", default="first", choices=["first", "all"],
+                   help="first: conversations opened by a human; all: every chunk's first human turn")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--answer-tokens", type=int, default=256, help="max tokens per training answer")
+    p.add_argument("--no-self-distill", action="store_true", help="train on ShareGPT's answers, not the target's own")
+    p.add_argument("--distill-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                   help="precision the target writes its answers in (auto: bfloat16 where it is fast)")
+    p.add_argument("--distill-batch", type=int, default=32, help="prompts per self-distillation batch")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m specviz",
                                      description="Speculative decoding, one engine, many drafters.")
@@ -61,20 +75,25 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="a results.json from bench as a Markdown table")
     rep.add_argument("results")
 
+    d = sub.add_parser("data", help="build the training sequences (self-distilled in resumable shards)")
+    _data_args(d)
+
     t = sub.add_parser("train", help="train a drafter with the shared pipeline; writes a checkpoint + card")
     t.add_argument("--drafter", required=True,
                    help="a trained method: " + ", ".join(n for n, (c, _) in METHODS.items() if c.trained))
-    t.add_argument("--target", default=None)
-    t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    t.add_argument("--samples", type=int, default=1000, help="ShareGPT prompts for training")
+    _data_args(t)
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--batch-tokens", type=int, default=4096)
     t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0 = full)")
-    t.add_argument("--answer-tokens", type=int, default=256, help="max tokens per training answer")
-    t.add_argument("--no-self-distill", action="store_true", help="train on ShareGPT's answers, not the target's own")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--out", default=None, help="checkpoint folder (default: assets/drafters/NAME)")
+    t.add_argument("--precision", default="no", choices=["no", "bf16", "auto"],
+                   help="bf16 autocast, or fp32 (no); auto: bf16 where the hardware is fast at it")
+    t.add_argument("--save-every", type=int, default=100, help="steps between saved training states")
+    t.add_argument("--resume", action="store_true", help="continue the same run from its last saved state")
+    t.add_argument("--out", default=None,
+                   help="checkpoint folder (default: the run's folder in the cache; --ship for assets/drafters/NAME)")
+    t.add_argument("--ship", action="store_true", help="write the final checkpoint into assets/drafters/NAME")
 
     sub.add_parser("methods", help="list the methods and their settings")
     return parser
@@ -246,25 +265,56 @@ def cmd_report(args) -> None:
     print(markdown_table(results))
 
 
+def _recipe(args, device: str):
+    from drafters.corpus import DataRecipe
+    from specviz.core.load import resolve_dtype_or_auto
+
+    samples = None if args.samples == "all" else int(args.samples) if args.samples.isdigit() else 0
+    if samples is not None and samples < 1:
+        raise SpecvizError(f"--samples must be a positive number or 'all', got {args.samples!r}")
+    return DataRecipe(samples, not args.no_self_distill, args.max_prompt_tokens, args.answer_tokens,
+                      batch_size=args.distill_batch, prompts=args.prompts,
+                      distill_dtype=resolve_dtype_or_auto(args.distill_dtype, device))
+
+
+def cmd_data(args) -> None:
+    from drafters.corpus import prepare_sequences
+    from specviz.core.load import cache_dir, default_device, load_target
+
+    device = args.device or default_device()
+    recipe = _recipe(args, device)
+    target = load_target(args.target, "float32", device)
+    splits = prepare_sequences(target, recipe, cache_dir() / "train")
+    tokens = {name: sum(int(s.numel()) - a for s, a in seqs) for name, seqs in splits.items()}
+    print(f"sequences {recipe.key(target)}: {len(splits['train'])} train ({tokens['train']:,} answer tokens), "
+          f"{len(splits['val'])} validation, in {cache_dir() / 'train'}")
+
+
 def cmd_train(args) -> None:
+    import hashlib
+
     from drafters.checkpoint import default_path
     from drafters.corpus import prepare
-    from drafters.train import TrainConfig, train
+    from drafters.train import TrainConfig, make_accelerator, train
     from specviz.core.load import cache_dir, default_device, load_target
 
     if args.drafter not in METHODS or not METHODS[args.drafter][0].trained:
         trained = [n for n, (c, _) in METHODS.items() if c.trained]
         raise SpecvizError(f"{args.drafter!r} is not a trained drafter; choose from {', '.join(trained)}")
-    if args.samples < 1:
-        raise SpecvizError("--samples must be at least 1")
+    if args.ship and args.out:
+        raise SpecvizError("--ship writes to assets/drafters/NAME; leave out --out")
     device = args.device or default_device()
+    recipe = _recipe(args, device)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
-                      seed=args.seed, device=device)
-    target = load_target(args.target, "float32", device)
-    train_set, val_set, meta = prepare(target, args.samples, not args.no_self_distill,
-                                       max_new_tokens=args.answer_tokens, cache=cache_dir() / "train")
-    out = Path(args.out) if args.out else default_path(args.drafter)
-    card = train(METHODS[args.drafter][0], target, train_set, val_set, cfg, meta, out)
+                      seed=args.seed, device=device, precision=args.precision, save_every=args.save_every)
+    accelerator = make_accelerator(cfg)  # one process per device under `accelerate launch`
+    target = load_target(args.target, "float32", str(accelerator.device))
+    train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train")
+    run = json.dumps([args.drafter, recipe.key(target), {k: v for k, v in vars(cfg).items() if k != "save_every"}],
+                     sort_keys=True, default=str)
+    work = cache_dir() / "train" / "runs" / f"{args.drafter}-{hashlib.sha1(run.encode()).hexdigest()[:12]}"
+    out = default_path(args.drafter) if args.ship else Path(args.out) if args.out else work / "checkpoint"
+    card = train(METHODS[args.drafter][0], target, train_set, val_set, cfg, meta, out, work, args.resume, accelerator)
     print(f"wrote {out} ({card['parameters']['trained']:,} trained parameters, "
           f"{card['training']['steps']} steps in {card['training']['wall_s']:.0f} s); "
           f"validation {card['history'][-1]['val']}")
@@ -282,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile,
-                    "report": cmd_report, "methods": cmd_methods, "train": cmd_train}
+                    "report": cmd_report, "methods": cmd_methods, "train": cmd_train, "data": cmd_data}
         commands[args.command](args)
     except SpecvizError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -76,6 +76,27 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def fast_dtype(device: str | torch.device | None = None) -> torch.dtype:
+    """bfloat16 where it is fast (CUDA, or a CPU with AMX or AVX-512 BF16), else float32."""
+    device = torch.device(device or default_device())
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_flags() & {"amx_bf16", "avx512_bf16"} else torch.float32
+
+
+def resolve_dtype_or_auto(dtype: str | torch.dtype, device: str | None = None) -> torch.dtype:
+    """``resolve_dtype``, where "auto" means ``fast_dtype(device)``."""
+    return fast_dtype(device) if dtype == "auto" else resolve_dtype(dtype)
+
+
 def load_causal_lm(spec: str | None, dtype="float32", device: str | None = None):
     """(model, tokenizer) for ``spec``: None/'embedded', a local folder or a Hugging Face id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,0 +1,179 @@
+"""Self-distillation at scale: the target writes the training answers itself (greedy, as HASS §A.4),
+batched, in shards saved as they finish, so a killed run goes on from the last finished shard.
+
+The decode loop is lean: one KV cache per batch, a row leaves the batch (cache rows included) the step
+its answer ends, and attention reads each key/value head once for its whole group of query heads
+(transformers' eager attention copies the cache for every query head, and its CPU SDPA kernel is slow
+for one query: together about half of each step).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import eager_mask
+
+GROUPED = "specviz_grouped"
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention over [B, H, q, D] queries and [B, Hkv, L, D] keys/values, H a multiple of Hkv, with an additive
+    float mask; query head i reads key/value head i // (H / Hkv), as in transformers' own layers. A prefill
+    (many queries) goes to transformers' SDPA attention, which never holds the whole score matrix."""
+    b, h, q, d = query.shape
+    if q > 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    groups = h // key.shape[1]
+    scores = (query.reshape(b, key.shape[1], groups * q, d) @ key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -q:, : key.shape[-2]]
+        mask = mask[:, :, None].expand(b, mask.shape[1], groups, q, -1)
+        scores = scores + mask.reshape(b, mask.shape[1], groups * q, -1)
+    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+    return (probs @ value).reshape(b, h, q, d).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED, grouped_attention)
+AttentionMaskInterface.register(GROUPED, eager_mask)
+
+
+@torch.inference_mode()
+def greedy_answers(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
+                   pad: int = 0) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` (one batch, left-padded), each cut after its first EOS."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache(config=model.config)
+    stop = torch.tensor(sorted(eos) or [-1], device=device)
+    alive = torch.arange(len(prompts), device=device)  # original row of each batch row
+    answers: list[list[int]] = [[] for _ in prompts]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=1)
+    for step in range(max_new_tokens):
+        nxt = out.logits[:, -1].argmax(-1)
+        for row, tok in zip(alive.tolist(), nxt.tolist()):
+            answers[row].append(tok)
+        keep = ~torch.isin(nxt, stop)
+        if step + 1 == max_new_tokens or not bool(keep.any()):
+            break
+        if not bool(keep.all()):  # finished rows leave the batch
+            index = keep.nonzero().squeeze(1)
+            cache.batch_select_indices(index)
+            alive, nxt, mask, positions = alive[index], nxt[index], mask[index], positions[index]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    logits_to_keep=1)
+    return answers
+
+
+def length_sorted_batches(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
+    """Indices in batches of similar prompt length (little padding), longest first."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+class ShardedDistill:
+    """Answers for a fixed list of prompts, written shard by shard into ``folder``.
+
+    Shard i holds prompts [i * shard_size, (i + 1) * shard_size); its batches depend only on its own
+    prompts, so a resumed run writes exactly what an unbroken one would."""
+
+    def __init__(self, folder: Path, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64,
+                 shard_size: int = 512, label: str = ""):
+        self.prompts, self.max_new_tokens = prompts, max_new_tokens
+        self.batch_size, self.shard_size = batch_size, shard_size
+        recipe = {"prompts": hashlib.sha1(json.dumps(prompts).encode()).hexdigest(), "max_new_tokens": max_new_tokens,
+                  "batch_size": batch_size, "shard_size": shard_size, "label": label}
+        self.key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+        self.folder = Path(folder) / f"distill-{self.key}"
+
+    @property
+    def num_shards(self) -> int:
+        return -(-len(self.prompts) // self.shard_size)
+
+    def shard_path(self, i: int) -> Path:
+        return self.folder / f"shard-{i:05d}.safetensors"
+
+    def finished(self) -> list[int]:
+        return [i for i in range(self.num_shards) if self.shard_path(i).exists()]
+
+    def run(self, model, eos: set[int], pad: int = 0, progress: bool = True,
+            after_shard: Callable[[int], None] | None = None) -> list[list[int]]:
+        """Generate the missing shards (each saved as it finishes), then return every answer in prompt order."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        todo = [i for i in range(self.num_shards) if not self.shard_path(i).exists()]
+        done_prompts = len(self.prompts) - sum(len(self._shard_prompts(i)) for i in todo)
+        bar = tqdm(total=len(self.prompts), initial=done_prompts, desc="self-distill", unit="prompt",
+                   disable=not progress)
+        made, start = 0, time.perf_counter()
+        for i in todo:
+            shard = self._shard_prompts(i)
+            answers: list[list[int]] = [[] for _ in shard]
+            for batch in length_sorted_batches(shard, self.batch_size):
+                for j, answer in zip(batch, greedy_answers(model, [shard[j] for j in batch], self.max_new_tokens,
+                                                           eos, pad)):
+                    answers[j] = answer
+                made += sum(len(answers[j]) for j in batch)
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{made / (time.perf_counter() - start):.0f}")
+            self._save(i, answers)
+            if after_shard is not None:
+                after_shard(i)
+        bar.close()
+        return self.load()
+
+    def _shard_prompts(self, i: int) -> list[list[int]]:
+        return self.prompts[i * self.shard_size:(i + 1) * self.shard_size]
+
+    def _save(self, i: int, answers: list[list[int]]) -> None:
+        flat = [t for a in answers for t in a]
+        tensors = {"tokens": torch.tensor(flat, dtype=torch.int32), "lengths": torch.tensor([len(a) for a in answers])}
+        tmp = self.shard_path(i).with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata={"key": self.key, "shard": str(i)})
+        tmp.replace(self.shard_path(i))  # a shard is either whole or absent
+
+    def load(self) -> list[list[int]]:
+        answers: list[list[int]] = []
+        for i in range(self.num_shards):
+            t = load_file(str(self.shard_path(i)))
+            answers += [piece.tolist() for piece in t["tokens"].long().split(t["lengths"].tolist())]
+        return answers
+
+
+def distill_model(target, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A copy of the target's model in ``dtype`` (default: its own) with grouped attention, for writing answers."""
+    model = target.model
+    twin = type(model)(copy.deepcopy(model.config))  # its own config: the attention choice lives there
+    twin = twin.to(device=target.device, dtype=dtype or target.dtype).eval()
+    twin.load_state_dict(model.state_dict())
+    twin.set_attn_implementation(GROUPED)
+    return twin
+
+
+def self_distill(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+                 dtype: torch.dtype | None = None) -> list[list[int]]:
+    """Greedy answers written by the target itself, in memory (small runs and tests)."""
+    model, eos = distill_model(target, dtype), target.eos_token_ids
+    answers: list[list[int]] = [[] for _ in prompts]
+    for batch in length_sorted_batches(prompts, batch_size):
+        for i, answer in zip(batch, greedy_answers(model, [prompts[i] for i in batch], max_new_tokens, eos,
+                                                   pad=min(eos, default=0))):
+            answers[i] = answer
+    return answers

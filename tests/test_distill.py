@@ -1,0 +1,109 @@
+"""Self-distillation at scale: the lean batched loop is greedy decoding, and a killed sharded run
+resumes to exactly what an unbroken run writes."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import make_llama, reference_greedy
+from drafters.distill import (
+    GROUPED,
+    ShardedDistill,
+    distill_model,
+    greedy_answers,
+    grouped_attention,
+    length_sorted_batches,
+)
+
+EOS = 5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_llama(40, seed=3, eos=EOS)
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(6, 40) for _ in range(rng.randint(1, 9))] for _ in range(n)]
+
+
+def test_batched_loop_is_greedy_decoding_cut_at_eos(model):
+    prompts = random_prompts(12, seed=0)
+    answers = greedy_answers(model, prompts, 20, {EOS})
+    ended = 0
+    for prompt, answer in zip(prompts, answers):
+        expected = reference_greedy(model, prompt, 20)
+        if EOS in expected:
+            expected, ended = expected[: expected.index(EOS) + 1], ended + 1
+        assert answer == expected
+    assert 0 < ended < len(prompts)  # rows left the batch early and others went on
+
+
+def test_length_sorted_batches_cover_every_prompt_once():
+    prompts = random_prompts(23, seed=1)
+    batches = length_sorted_batches(prompts, 5)
+    assert sorted(i for b in batches for i in b) == list(range(23)) and max(map(len, batches)) == 5
+    lengths = [len(prompts[i]) for b in batches for i in b]
+    assert lengths == sorted(lengths, reverse=True)
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_killed_run_resumes_to_the_unbroken_result(model, tmp_path):
+    prompts = random_prompts(30, seed=2)
+    whole = ShardedDistill(tmp_path / "a", prompts, 12, batch_size=4, shard_size=8).run(model, {EOS}, progress=False)
+
+    def kill_after_second(i: int) -> None:
+        if i == 1:
+            raise Killed
+
+    broken = ShardedDistill(tmp_path / "b", prompts, 12, batch_size=4, shard_size=8)
+    with pytest.raises(Killed):
+        broken.run(model, {EOS}, progress=False, after_shard=kill_after_second)
+    assert broken.finished() == [0, 1] and not list(broken.folder.glob("*.tmp"))
+    calls = []
+    resumed = ShardedDistill(tmp_path / "b", prompts, 12, batch_size=4, shard_size=8)
+    assert resumed.run(model, {EOS}, progress=False, after_shard=calls.append) == whole
+    assert calls == [2, 3]  # only the missing shards ran
+    assert len(whole) == 30 and all(1 <= len(a) <= 12 for a in whole)
+
+
+def test_another_recipe_gets_its_own_folder(tmp_path):
+    prompts = random_prompts(4, seed=3)
+    a = ShardedDistill(tmp_path, prompts, 12)
+    assert ShardedDistill(tmp_path, prompts, 13).folder != a.folder
+    assert ShardedDistill(tmp_path, prompts[:3], 12).folder != a.folder
+    assert ShardedDistill(tmp_path, prompts, 12).folder == a.folder
+
+
+@pytest.mark.parametrize("queries", [1, 5], ids=["decode", "prefill"])
+def test_grouped_attention_equals_transformers_eager_attention(queries):
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 6, queries, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g),
+                         torch.randn(2, 2, 7, 8, generator=g))
+    blocked = torch.rand(2, 1, queries, 7, generator=g) < 0.3
+    blocked[..., -1] = False  # every query sees at least one key
+    mask = torch.zeros(2, 1, queries, 7).masked_fill(blocked, torch.finfo(torch.float).min)
+    module = SimpleNamespace(num_key_value_groups=3, training=False)
+    expected, _ = eager_attention_forward(module, query, key, value, mask, scaling=0.35)
+    got, _ = grouped_attention(module, query, key, value, mask, scaling=0.35)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_distill_model_writes_the_targets_greedy_answers(tiny_target):
+    target = tiny_target(40, seed=3, eos=EOS)
+    prompts = random_prompts(10, seed=4)
+    answers = greedy_answers(distill_model(target), prompts, 16, {EOS})
+    for prompt, answer in zip(prompts, answers):
+        expected = reference_greedy(target.model, prompt, 16)
+        assert answer == (expected[: expected.index(EOS) + 1] if EOS in expected else expected)
+    assert target.model.config._attn_implementation != GROUPED  # the target itself is left as it was

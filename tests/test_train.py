@@ -1,0 +1,89 @@
+"""The training pipeline on accelerate: a killed run resumes to the weights of an unbroken one, bf16
+autocast trains, and the card records the budget every method shares."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drafters import METHODS
+from drafters.corpus import extract_features, self_distill
+from drafters.train import TrainConfig, train
+from specviz.core.errors import SettingsError
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return tiny_target(48, seed=4, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def data(target):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 48, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(40)]
+    answers = self_distill(target, prompts, 16, 8)
+    return extract_features(target, [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers)])
+
+
+class Killed(Exception):
+    pass
+
+
+def kill_at(step: int):
+    def after_step(done: int) -> None:
+        if done == step:
+            raise Killed
+
+    return after_step
+
+
+@pytest.mark.parametrize("method", ["eagle2", "redrafter"])
+def test_a_killed_run_resumes_to_the_unbroken_weights(method, target, data, tmp_path):
+    cfg = TrainConfig(epochs=2, batch_tokens=128, lr=3e-3, draft_vocab=32, save_every=3)
+    cls = METHODS[method][0]
+    whole = train(cls, target, data, data, cfg, {}, tmp_path / "whole", tmp_path / "run-a")
+    for kill in (5, cfg.save_every * 2):  # between two saves, and right on one
+        work = tmp_path / f"run-{kill}"
+        with pytest.raises(Killed):
+            train(cls, target, data, data, cfg, {}, tmp_path / "never", work, after_step=kill_at(kill))
+        assert not (tmp_path / "never").exists()
+        again = train(cls, target, data, data, cfg, {}, tmp_path / f"resumed-{kill}", work, resume=True)
+        a, b = load_file(str(tmp_path / "whole" / "weights.safetensors")), load_file(
+            str(tmp_path / f"resumed-{kill}" / "weights.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert again["history"] == whole["history"] and again["training"]["steps"] == whole["training"]["steps"]
+        assert again["training"]["answer_tokens_seen"] == whole["training"]["answer_tokens_seen"]
+
+
+def test_resume_needs_a_saved_state(target, data, tmp_path):
+    with pytest.raises(SettingsError, match="nothing to resume"):
+        train(METHODS["eagle2"][0], target, data, data, TrainConfig(epochs=1), {}, None, tmp_path, resume=True)
+
+
+def test_bf16_autocast_trains_and_says_so(target, data):
+    cfg = TrainConfig(epochs=1, batch_tokens=128, lr=3e-3, draft_vocab=32, precision="bf16")
+    card = train(METHODS["eagle2"][0], target, data, data, cfg, {})
+    assert card["training"]["mixed_precision"] == "bf16"
+    assert 0.0 <= card["history"][-1]["val"]["acc1"] <= 1.0 and card["training"]["answer_tokens_seen"] > 0
+
+
+def test_config_rejects_nonsense():
+    with pytest.raises(SettingsError):
+        TrainConfig(precision="fp8")
+    with pytest.raises(SettingsError):
+        TrainConfig(save_every=0)
+
+
+@pytest.mark.parametrize("flags, expected", [({"avx2", "avx512_bf16"}, torch.bfloat16), ({"amx_bf16"}, torch.bfloat16),
+                                             ({"avx2", "fma"}, torch.float32), (set(), torch.float32)])
+def test_fast_dtype_reads_the_cpu(flags, expected, monkeypatch):
+    import specviz.core.load as load
+
+    monkeypatch.setattr(load, "cpu_flags", lambda: flags)
+    assert load.fast_dtype("cpu") == expected and load.fast_dtype("cuda") == torch.bfloat16
+    assert load.resolve_dtype_or_auto("auto", "cpu") == expected
+    assert load.resolve_dtype_or_auto("float32", "cpu") == torch.float32
+    precision = TrainConfig(precision="auto").mixed_precision
+    assert precision == ("bf16" if expected == torch.bfloat16 else "no")
