@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 from specviz.core.errors import SpecvizError
 
 from .distill import ShardedDistill, distill_model, self_distill
+from .shards import Shards
 
 
 class DataError(SpecvizError):
@@ -113,22 +115,34 @@ class FeatureSet:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.tokens[a:b], self.features[a:b], int(self.answer_starts[i])
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"tokens": self.tokens.int(), "features": self.features, "offsets": self.offsets.long(),
+                "answer_starts": self.answer_starts.long()}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> "FeatureSet":
+        return cls(t["tokens"].long(), t["features"], t["offsets"], t["answer_starts"])
+
     def save(self, path: Path, meta: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {"tokens": self.tokens.int(), "features": self.features, "offsets": self.offsets.long(),
-                   "answer_starts": self.answer_starts.long()}
-        save_file(tensors, str(path), metadata={"meta": json.dumps(meta)})
+        save_file(self.tensors(), str(path), metadata={"meta": json.dumps(meta)})
 
     @classmethod
     def load(cls, path: Path) -> "FeatureSet":
-        t = load_file(str(path))
-        return cls(t["tokens"].long(), t["features"], t["offsets"], t["answer_starts"])
+        return cls.from_tensors(load_file(str(path)))
 
     @classmethod
     def build(cls, seqs: list[tuple[torch.Tensor, int]], feats: list[torch.Tensor]) -> "FeatureSet":
         lengths = torch.tensor([0] + [s.numel() for s, _ in seqs])
         return cls(torch.cat([s for s, _ in seqs]), torch.cat(feats).half(), lengths.cumsum(0),
                    torch.tensor([a for _, a in seqs]))
+
+    @classmethod
+    def concat(cls, parts: list["FeatureSet"]) -> "FeatureSet":
+        starts = torch.tensor([0] + [p.num_tokens for p in parts[:-1]]).cumsum(0)
+        offsets = [parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, starts)]
+        return cls(torch.cat([p.tokens for p in parts]), torch.cat([p.features for p in parts]), torch.cat(offsets),
+                   torch.cat([p.answer_starts for p in parts]))
 
 
 def length_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator | None = None) -> list[list[int]]:
@@ -152,12 +166,24 @@ def length_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator |
 
 
 @torch.inference_mode()
-def extract_features(target, seqs: list[tuple[torch.Tensor, int]], batch_tokens: int = 4096,
-                     desc: str = "features") -> FeatureSet:
-    """Run the frozen target over each sequence and keep its features (final-norm output) at every position."""
+def extract_features(target, seqs: list[tuple[torch.Tensor, int]], batch_tokens: int = 4096, desc: str = "features",
+                     work: Path | None = None, shard_size: int = 1024) -> FeatureSet:
+    """Run the frozen target over each sequence and keep its features (final-norm output) at every position.
+
+    With ``work``, sequences go in shards saved there as they finish, so a killed run goes on from the last one."""
+    if work is None:
+        return _features(target, seqs, batch_tokens, desc)
+    shards = Shards(work, len(seqs), shard_size)
+    for i in tqdm(shards.missing(), desc=f"{desc} (shards of {shard_size})", unit="shard"):
+        shards.save(i, _features(target, [seqs[j] for j in shards.items(i)], batch_tokens, None).tensors())
+    return FeatureSet.concat([FeatureSet.from_tensors(shards.load(i)) for i in range(shards.num)])
+
+
+def _features(target, seqs: list[tuple[torch.Tensor, int]], batch_tokens: int, desc: str | None) -> FeatureSet:
     model, device = target.model, target.device
     feats: list[torch.Tensor | None] = [None] * len(seqs)
-    for batch in tqdm(length_batches([s.numel() for s, _ in seqs], batch_tokens), desc=desc, unit="batch"):
+    batches = length_batches([s.numel() for s, _ in seqs], batch_tokens)
+    for batch in tqdm(batches, desc=desc, unit="batch", disable=desc is None):
         width = max(seqs[i][0].numel() for i in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -167,7 +193,7 @@ def extract_features(target, seqs: list[tuple[torch.Tensor, int]], batch_tokens:
         hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device),
                                      use_cache=False).last_hidden_state  # the final norm's output
         for row, i in enumerate(batch):
-            feats[i] = hidden[row, : seqs[i][0].numel()].float().cpu()
+            feats[i] = hidden[row, : seqs[i][0].numel()].half().cpu()
     return FeatureSet.build(seqs, feats)
 
 
@@ -294,12 +320,15 @@ def prepare(target, recipe: DataRecipe, cache: Path | None = None,
         if all(p.exists() for p in paths):
             return FeatureSet.load(paths[0]), FeatureSet.load(paths[1]), stored_meta(paths[0])
     splits = prepare_sequences(target, recipe, cache, shipped)
-    sets = [extract_features(target, splits[part], desc=f"features {part}") for part in ("train", "val")]
+    work = {part: None if cache is None else cache / f"features-{key}-{part}" for part in ("train", "val")}
+    sets = [extract_features(target, splits[part], desc=f"features {part}", work=work[part])
+            for part in ("train", "val")]
     meta.update(train_samples=len(sets[0]), train_tokens=sets[0].num_tokens,
                 answer_tokens=int(sum(sets[0].sequence(i)[0].numel() - sets[0].sequence(i)[2]
                                       for i in range(len(sets[0])))),
                 val_samples=len(sets[1]))
     if paths is not None:
-        sets[0].save(paths[0], meta)
-        sets[1].save(paths[1], meta)
+        for path, features, folder in zip(paths, sets, work.values()):
+            features.save(path, meta)
+            shutil.rmtree(folder, ignore_errors=True)  # the shards are in the saved file now
     return sets[0], sets[1], meta

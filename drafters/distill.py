@@ -17,11 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask
+
+from .shards import Shards, recipe_key
 
 GROUPED = "specviz_grouped"
 
@@ -97,34 +98,25 @@ class ShardedDistill:
 
     def __init__(self, folder: Path, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64,
                  shard_size: int = 512, label: str = ""):
-        self.prompts, self.max_new_tokens = prompts, max_new_tokens
-        self.batch_size, self.shard_size = batch_size, shard_size
-        recipe = {"prompts": hashlib.sha1(json.dumps(prompts).encode()).hexdigest(), "max_new_tokens": max_new_tokens,
-                  "batch_size": batch_size, "shard_size": shard_size, "label": label}
-        self.key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+        self.prompts, self.max_new_tokens, self.batch_size = prompts, max_new_tokens, batch_size
+        self.key = recipe_key({"prompts": hashlib.sha1(json.dumps(prompts).encode()).hexdigest(),
+                               "max_new_tokens": max_new_tokens, "batch_size": batch_size, "shard_size": shard_size,
+                               "label": label})
         self.folder = Path(folder) / f"distill-{self.key}"
-
-    @property
-    def num_shards(self) -> int:
-        return -(-len(self.prompts) // self.shard_size)
-
-    def shard_path(self, i: int) -> Path:
-        return self.folder / f"shard-{i:05d}.safetensors"
+        self.shards = Shards(self.folder, len(prompts), shard_size)
 
     def finished(self) -> list[int]:
-        return [i for i in range(self.num_shards) if self.shard_path(i).exists()]
+        return self.shards.finished()
 
     def run(self, model, eos: set[int], pad: int = 0, progress: bool = True,
             after_shard: Callable[[int], None] | None = None) -> list[list[int]]:
         """Generate the missing shards (each saved as it finishes), then return every answer in prompt order."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        todo = [i for i in range(self.num_shards) if not self.shard_path(i).exists()]
-        done_prompts = len(self.prompts) - sum(len(self._shard_prompts(i)) for i in todo)
-        bar = tqdm(total=len(self.prompts), initial=done_prompts, desc="self-distill", unit="prompt",
-                   disable=not progress)
+        todo = self.shards.missing()
+        bar = tqdm(total=len(self.prompts), initial=len(self.prompts) - sum(len(self.shards.items(i)) for i in todo),
+                   desc="self-distill", unit="prompt", disable=not progress)
         made, start = 0, time.perf_counter()
         for i in todo:
-            shard = self._shard_prompts(i)
+            shard = [self.prompts[j] for j in self.shards.items(i)]
             answers: list[list[int]] = [[] for _ in shard]
             for batch in length_sorted_batches(shard, self.batch_size):
                 for j, answer in zip(batch, greedy_answers(model, [shard[j] for j in batch], self.max_new_tokens,
@@ -133,26 +125,18 @@ class ShardedDistill:
                 made += sum(len(answers[j]) for j in batch)
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{made / (time.perf_counter() - start):.0f}")
-            self._save(i, answers)
+            tensors = {"tokens": torch.tensor([t for a in answers for t in a], dtype=torch.int32),
+                       "lengths": torch.tensor([len(a) for a in answers])}
+            self.shards.save(i, tensors, {"key": self.key, "shard": str(i)})
             if after_shard is not None:
                 after_shard(i)
         bar.close()
         return self.load()
 
-    def _shard_prompts(self, i: int) -> list[list[int]]:
-        return self.prompts[i * self.shard_size:(i + 1) * self.shard_size]
-
-    def _save(self, i: int, answers: list[list[int]]) -> None:
-        flat = [t for a in answers for t in a]
-        tensors = {"tokens": torch.tensor(flat, dtype=torch.int32), "lengths": torch.tensor([len(a) for a in answers])}
-        tmp = self.shard_path(i).with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata={"key": self.key, "shard": str(i)})
-        tmp.replace(self.shard_path(i))  # a shard is either whole or absent
-
     def load(self) -> list[list[int]]:
         answers: list[list[int]] = []
-        for i in range(self.num_shards):
-            t = load_file(str(self.shard_path(i)))
+        for i in range(self.shards.num):
+            t = self.shards.load(i)
             answers += [piece.tolist() for piece in t["tokens"].long().split(t["lengths"].tolist())]
         return answers
 

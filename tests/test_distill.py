@@ -107,3 +107,30 @@ def test_the_distill_model_writes_the_targets_greedy_answers(tiny_target):
         expected = reference_greedy(target.model, prompt, 16)
         assert answer == (expected[: expected.index(EOS) + 1] if EOS in expected else expected)
     assert target.model.config._attn_implementation != GROUPED  # the target itself is left as it was
+
+
+def test_sharded_features_resume_to_the_unbroken_set(tiny_target, tmp_path, monkeypatch):
+    import drafters.corpus as corpus
+
+    target = tiny_target(40, seed=3, eos=EOS)
+    seqs = [(torch.tensor(p + [7, 8, 9]), len(p)) for p in random_prompts(11, seed=5)]
+    whole = corpus.extract_features(target, seqs, batch_tokens=32, work=tmp_path / "whole", shard_size=4)
+    unsharded = corpus.extract_features(target, seqs, batch_tokens=32)
+    torch.testing.assert_close(whole.features.float(), unsharded.features.float(), atol=2e-3, rtol=2e-3)
+    real, calls = corpus._features, []
+
+    def dies_on_the_third_shard(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Killed
+        return real(*args)
+
+    monkeypatch.setattr(corpus, "_features", dies_on_the_third_shard)
+    with pytest.raises(Killed):
+        corpus.extract_features(target, seqs, batch_tokens=32, work=tmp_path / "killed", shard_size=4)
+    monkeypatch.setattr(corpus, "_features", real)
+    assert len(list((tmp_path / "killed").glob("shard-*.safetensors"))) == 2
+    resumed = corpus.extract_features(target, seqs, batch_tokens=32, work=tmp_path / "killed", shard_size=4)
+    for name, value in whole.tensors().items():
+        assert torch.equal(resumed.tensors()[name], value), name
+    assert resumed.sequence(10)[0].tolist() == seqs[10][0].tolist()
