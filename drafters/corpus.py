@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import lzma
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save, save_file
 from tqdm.auto import tqdm
 
 from specviz.core.errors import SpecvizError
@@ -207,27 +208,40 @@ SHIPPED_SEQUENCES = Path(__file__).resolve().parent.parent / "assets" / "data"
 
 
 def save_sequences(path: Path, splits: dict[str, list[tuple[torch.Tensor, int]]], meta: dict) -> None:
-    """Token ids only (prompt + answer per sequence, and where each answer starts): a few MB, so the
-    self-distilled answers can ship with the project and features are rebuilt in minutes."""
+    """Token ids only (prompt + answer per sequence, and where each answer starts), as uint16 when the
+    vocabulary allows; a path ending in ``.xz`` is compressed (self-distilled answers shrink about 3.5x),
+    which is how the sequences ship with the project so a fresh machine only rebuilds features."""
     tensors = {}
     for name, seqs in splits.items():
-        tensors[f"{name}_tokens"] = torch.cat([s for s, _ in seqs]).int()
+        tokens = torch.cat([s for s, _ in seqs])
+        small = tokens.numel() == 0 or int(tokens.max()) < 1 << 16
+        tensors[f"{name}_tokens"] = tokens.to(torch.uint16 if small else torch.int32)
         tensors[f"{name}_lengths"] = torch.tensor([s.numel() for s, _ in seqs])
         tensors[f"{name}_answer_starts"] = torch.tensor([a for _, a in seqs])
+    data = save(tensors, metadata={"meta": json.dumps(meta)})
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"meta": json.dumps(meta)})
+    path.write_bytes(lzma.compress(data, preset=9) if path.suffix == ".xz" else data)
 
 
 def load_sequences(path: Path) -> dict[str, list[tuple[torch.Tensor, int]]]:
     try:
-        t = load_file(str(path))
+        data = path.read_bytes()
+        t = load(lzma.decompress(data) if path.suffix == ".xz" else data)
         splits = {}
         for name in ("train", "val"):
             pieces = t[f"{name}_tokens"].long().split(t[f"{name}_lengths"].tolist())
             splits[name] = list(zip(pieces, t[f"{name}_answer_starts"].tolist()))
-    except Exception as err:  # safetensors raises several types for a damaged file
+    except Exception as err:  # safetensors and lzma raise several types for a damaged file
         raise DataError(f"training sequences {path} are unreadable ({err}); delete the file to rebuild them") from err
     return splits
+
+
+def sequences_meta(path: Path) -> dict:
+    """The data card saved in a sequences file."""
+    data = path.read_bytes()
+    header = lzma.decompress(data) if path.suffix == ".xz" else data
+    size = int.from_bytes(header[:8], "little")  # safetensors: an 8-byte header length, then the JSON header
+    return json.loads(json.loads(header[8:8 + size])["__metadata__"]["meta"])
 
 
 @dataclass(frozen=True)
@@ -299,8 +313,8 @@ def prepare_sequences(target, recipe: DataRecipe, cache: Path | None = None,
     """The train and validation token sequences: from ``cache`` or ``shipped`` when there, else collected
     (self-distillation: the slow part, resumable in ``cache``) and saved in ``cache``."""
     name = f"sequences-{recipe.key(target)}.safetensors"
-    found = next((folder / name for folder in (cache, shipped)
-                  if folder is not None and (folder / name).exists()), None)
+    found = next((folder / file for folder in (cache, shipped) if folder is not None
+                  for file in (name, name + ".xz") if (folder / file).exists()), None)
     if found is not None:
         print(f"specviz: training sequences from {found}", flush=True)
         return load_sequences(found)

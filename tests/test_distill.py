@@ -134,3 +134,42 @@ def test_sharded_features_resume_to_the_unbroken_set(tiny_target, tmp_path, monk
     for name, value in whole.tensors().items():
         assert torch.equal(resumed.tensors()[name], value), name
     assert resumed.sequence(10)[0].tolist() == seqs[10][0].tolist()
+
+
+def test_shipped_sequences_load_and_match_their_checkpoints_cards():
+    """Every shipped checkpoint names its data; the compressed token file for that data ships and holds
+    exactly the counts its card records."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import drafters.corpus as corpus
+
+    counts = ("train_samples", "train_tokens", "answer_tokens", "val_samples")
+    cards = [json.loads(p.read_text()) for p in Path(corpus.SHIPPED_SEQUENCES).parent.glob("drafters/*/card.json")]
+    assert len(cards) == 7
+    for card in cards:
+        recipe = {k: v for k, v in card["data"].items() if k not in counts}
+        key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+        path = corpus.SHIPPED_SEQUENCES / f"sequences-{key}.safetensors.xz"
+        splits = corpus.load_sequences(path)
+        assert corpus.sequences_meta(path)["samples"] == recipe["samples"]
+        train = splits["train"]
+        assert len(train) == card["data"]["train_samples"] and len(splits["val"]) == card["data"]["val_samples"]
+        assert sum(s.numel() for s, _ in train) == card["data"]["train_tokens"]
+        assert sum(s.numel() - a for s, a in train) == card["data"]["answer_tokens"]
+
+
+def test_sequences_round_trip_compressed(tmp_path):
+    import drafters.corpus as corpus
+
+    splits = {"train": [(torch.tensor([1, 60000, 3]), 1), (torch.tensor([5, 6]), 2)], "val": [(torch.tensor([7]), 0)]}
+    for name in ("plain.safetensors", "packed.safetensors.xz"):
+        corpus.save_sequences(tmp_path / name, splits, {"samples": 2})
+        again = corpus.load_sequences(tmp_path / name)
+        assert {k: [(s.tolist(), a) for s, a in v] for k, v in again.items()} == \
+            {k: [(s.tolist(), a) for s, a in v] for k, v in splits.items()}
+        assert corpus.sequences_meta(tmp_path / name) == {"samples": 2}
+    (tmp_path / "bad.safetensors.xz").write_bytes(b"not xz")
+    with pytest.raises(corpus.DataError, match="unreadable"):
+        corpus.load_sequences(tmp_path / "bad.safetensors.xz")

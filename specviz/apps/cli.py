@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("data", help="build the training sequences (self-distilled in resumable shards)")
     _data_args(d)
+    d.add_argument("--ship", action="store_true", help="also write them, compressed, into assets/data")
 
     t = sub.add_parser("train", help="train a drafter with the shared pipeline; writes a checkpoint + card")
     t.add_argument("--drafter", required=True,
@@ -278,7 +279,7 @@ def _recipe(args, device: str):
 
 
 def cmd_data(args) -> None:
-    from drafters.corpus import prepare_sequences
+    from drafters.corpus import SHIPPED_SEQUENCES, prepare_sequences, save_sequences
     from specviz.core.load import cache_dir, default_device, load_target
 
     device = args.device or default_device()
@@ -288,6 +289,10 @@ def cmd_data(args) -> None:
     tokens = {name: sum(int(s.numel()) - a for s, a in seqs) for name, seqs in splits.items()}
     print(f"sequences {recipe.key(target)}: {len(splits['train'])} train ({tokens['train']:,} answer tokens), "
           f"{len(splits['val'])} validation, in {cache_dir() / 'train'}")
+    if args.ship:
+        path = SHIPPED_SEQUENCES / f"sequences-{recipe.key(target)}.safetensors.xz"
+        save_sequences(path, splits, recipe.card(target))
+        print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
 def cmd_train(args) -> None:
