@@ -18,6 +18,7 @@ from drafters.distill import (
     grouped_attention,
     length_sorted_batches,
 )
+from drafters.shards import Shards, recipe_key
 
 EOS = 5
 
@@ -173,3 +174,13 @@ def test_sequences_round_trip_compressed(tmp_path):
     (tmp_path / "bad.safetensors.xz").write_bytes(b"not xz")
     with pytest.raises(corpus.DataError, match="unreadable"):
         corpus.load_sequences(tmp_path / "bad.safetensors.xz")
+
+
+def test_shards_split_items_and_save_whole_files(tmp_path):
+    shards = Shards(tmp_path / "job", count=10, size=4)
+    assert shards.num == 3 and [list(shards.items(i)) for i in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert shards.missing() == [0, 1, 2] and shards.finished() == []
+    shards.save(1, {"x": torch.arange(3)}, {"note": "one"})
+    assert shards.missing() == [0, 2] and torch.equal(shards.load(1)["x"], torch.arange(3))
+    assert not list((tmp_path / "job").glob("*.tmp"))
+    assert recipe_key({"a": 1, "b": [2]}) == recipe_key({"b": [2], "a": 1}) != recipe_key({"a": 2, "b": [2]})
