@@ -85,7 +85,8 @@ def generate(
             return new[: max_new_tokens - produced], "length"
         return new, None
 
-    timer = PhaseTimer(target.device)
+    device = target.device
+    timer = PhaseTimer(device)
     with timer("draft"):
         drafter.reset()
     with timer("verify"):
@@ -100,7 +101,7 @@ def generate(
     sequence, produced, step = list(prompt_ids) + tokens, len(tokens), 0
     while finished is None:
         step += 1
-        timer = PhaseTimer(target.device)
+        timer = PhaseTimer(device)
         with timer("draft"):
             request = DraftRequest(sequence, max_new_tokens - produced - 1, sampling, gen)
             tree = drafter.propose(request) if request.max_depth > 0 else DraftTree.empty()

@@ -28,7 +28,7 @@ class Timings:
 
 def now(device: torch.device | str = "cpu") -> float:
     """perf_counter after the GPU has finished its queued work, so time lands in the right phase."""
-    if torch.device(device).type == "cuda":
+    if str(device).startswith("cuda"):
         torch.cuda.synchronize()
     return time.perf_counter()
 
@@ -37,7 +37,7 @@ class PhaseTimer:
     """``with timer("verify"): ...`` adds the block's wall time to ``timer.timings.verify``."""
 
     def __init__(self, device: torch.device | str = "cpu"):
-        self.device = device
+        self.device = str(device)
         self.timings = Timings()
 
     @contextmanager
