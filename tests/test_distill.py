@@ -137,6 +137,21 @@ def test_sharded_features_resume_to_the_unbroken_set(tiny_target, tmp_path, monk
     assert resumed.sequence(10)[0].tolist() == seqs[10][0].tolist()
 
 
+def test_features_in_bf16_come_from_a_bf16_copy_and_stay_close(tiny_target):
+    import drafters.corpus as corpus
+
+    target = tiny_target(40, seed=3, eos=EOS)
+    seqs = [(torch.tensor(p + [7, 8, 9]), len(p)) for p in random_prompts(6, seed=6)]
+    exact = corpus.extract_features(target, seqs, batch_tokens=32)
+    fast = corpus.extract_features(target, seqs, batch_tokens=32, dtype=torch.bfloat16)
+    assert target.dtype == torch.float32  # the target itself is left in fp32
+    assert not torch.equal(fast.features, exact.features)  # really computed in bf16
+    torch.testing.assert_close(fast.features.float(), exact.features.float(), atol=0.1, rtol=0.05)
+    recipe = corpus.DataRecipe(samples=4, feature_dtype=torch.bfloat16)
+    assert recipe.features_key(target) == recipe.key(target) + "-bfloat16"  # same sequences, own features
+    assert corpus.DataRecipe(samples=4).features_key(target) == recipe.key(target)
+
+
 def test_shipped_sequences_load_and_match_their_checkpoints_cards():
     """Every shipped checkpoint names its data; the compressed token file for that data ships and holds
     exactly the counts its card records."""

@@ -81,8 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a drafter with the shared pipeline; writes a checkpoint + card")
     t.add_argument("--drafter", required=True,
-                   help="a trained method: " + ", ".join(n for n, (c, _) in METHODS.items() if c.trained))
+                   help="a trained method, a comma-separated list, or all: "
+                        + ", ".join(n for n, (c, _) in METHODS.items() if c.trained))
     _data_args(t)
+    t.add_argument("--feature-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                   help="the target's dtype while extracting features (auto: bf16 where the hardware is fast at it)")
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--batch-tokens", type=int, default=4096)
@@ -91,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--precision", default="no", choices=["no", "bf16", "auto"],
                    help="bf16 autocast, or fp32 (no); auto: bf16 where the hardware is fast at it")
     t.add_argument("--save-every", type=int, default=100, help="steps between saved training states")
-    t.add_argument("--resume", action="store_true", help="continue the same run from its last saved state")
+    t.add_argument("--resume", action="store_true",
+                   help="continue each run from its last saved state (a finished run is reused, a new one starts)")
     t.add_argument("--out", default=None,
                    help="checkpoint folder (default: the run's folder in the cache; --ship for assets/drafters/NAME)")
     t.add_argument("--ship", action="store_true", help="write the final checkpoint into assets/drafters/NAME")
@@ -295,34 +299,61 @@ def cmd_data(args) -> None:
         print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
-def cmd_train(args) -> None:
-    import hashlib
+def _drafters_to_train(spec: str) -> list[str]:
+    trained = [n for n, (c, _) in METHODS.items() if c.trained]
+    names = trained if spec == "all" else [n.strip() for n in spec.split(",") if n.strip()]
+    wrong = [n for n in names if n not in trained]
+    if wrong or not names:
+        raise SpecvizError(f"{', '.join(wrong) or spec!r} is not a trained drafter; choose from "
+                           f"{', '.join(trained)} (or a comma-separated list, or all)")
+    return names
 
-    from drafters.checkpoint import default_path
+
+def cmd_train(args) -> None:
+    """Train one drafter, a list, or all of them at one equal budget (same data, config and epochs)."""
+    import dataclasses
+    import hashlib
+    import shutil
+
+    from drafters.checkpoint import CARD, default_path, read_card
     from drafters.corpus import prepare
     from drafters.train import TrainConfig, make_accelerator, train
-    from specviz.core.load import cache_dir, default_device, load_target
+    from specviz.core.load import cache_dir, default_device, load_target, resolve_dtype_or_auto
 
-    if args.drafter not in METHODS or not METHODS[args.drafter][0].trained:
-        trained = [n for n, (c, _) in METHODS.items() if c.trained]
-        raise SpecvizError(f"{args.drafter!r} is not a trained drafter; choose from {', '.join(trained)}")
+    names = _drafters_to_train(args.drafter)
+    if args.out and len(names) > 1:
+        raise SpecvizError("--out names one checkpoint folder; train several drafters without it (or with --ship)")
     if args.ship and args.out:
         raise SpecvizError("--ship writes to assets/drafters/NAME; leave out --out")
     device = args.device or default_device()
-    recipe = _recipe(args, device)
+    recipe = dataclasses.replace(_recipe(args, device), feature_dtype=resolve_dtype_or_auto(args.feature_dtype, device))
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
                       seed=args.seed, device=device, precision=args.precision, save_every=args.save_every)
     accelerator = make_accelerator(cfg)  # one process per device under `accelerate launch`
     target = load_target(args.target, "float32", str(accelerator.device))
     train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train")
-    run = json.dumps([args.drafter, recipe.key(target), {k: v for k, v in vars(cfg).items() if k != "save_every"}],
-                     sort_keys=True, default=str)
-    work = cache_dir() / "train" / "runs" / f"{args.drafter}-{hashlib.sha1(run.encode()).hexdigest()[:12]}"
-    out = default_path(args.drafter) if args.ship else Path(args.out) if args.out else work / "checkpoint"
-    card = train(METHODS[args.drafter][0], target, train_set, val_set, cfg, meta, out, work, args.resume, accelerator)
-    print(f"wrote {out} ({card['parameters']['trained']:,} trained parameters, "
-          f"{card['training']['steps']} steps in {card['training']['wall_s']:.0f} s); "
-          f"validation {card['history'][-1]['val']}")
+    for name in names:
+        run = json.dumps([name, recipe.features_key(target), {k: v for k, v in vars(cfg).items() if k != "save_every"}],
+                         sort_keys=True, default=str)
+        work = cache_dir() / "train" / "runs" / f"{name}-{hashlib.sha1(run.encode()).hexdigest()[:12]}"
+        finished = work / "checkpoint"
+        out = default_path(name) if args.ship else Path(args.out) if args.out else finished
+        if args.resume and (finished / CARD).exists():  # trained to the end before: reuse it
+            card = read_card(finished)
+            if out != finished:
+                shutil.copytree(finished, out, dirs_exist_ok=True)
+            print(f"{name}: finished before, in {finished}" + (f"; copied to {out}" if out != finished else ""))
+            continue
+        saved = (work / "state" / "progress.json").exists()
+        if args.resume and not saved:
+            print(f"{name}: no saved state in {work}; starting it", flush=True)
+        card = train(METHODS[name][0], target, train_set, val_set, cfg, meta, out, work, args.resume and saved,
+                     accelerator)
+        if out != finished and accelerator.is_main_process:  # the run folder keeps the final one too
+            shutil.copytree(out, finished, dirs_exist_ok=True)
+        print(f"wrote {out} ({card['parameters']['trained']:,} trained parameters, "
+              f"{card['training']['steps']} steps in {card['training']['wall_s']:.0f} s); "
+              f"validation {card['history'][-1]['val']}")
 
 
 def cmd_methods(_args) -> None:
