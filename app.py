@@ -22,7 +22,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default=env("SPECVIZ_TARGET"), help="HF model id or folder (default: embedded)")
     p.add_argument("--assistant", default=env("SPECVIZ_ASSISTANT"), help="assistant LM for sps (same tokenizer)")
     p.add_argument("--device", default=env("SPECVIZ_DEVICE"), help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", default=env("SPECVIZ_DTYPE", "float32"), help="float32 (exact), bfloat16, float16")
+    p.add_argument("--dtype", default=env("SPECVIZ_DTYPE", "auto"),
+                   help="auto (bf16 where the hardware is fast at it, else float32), float32 (exact), bfloat16, float16")
     return p.parse_known_args(argv)[0]
 
 

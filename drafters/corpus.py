@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from specviz.core.errors import SpecvizError
 
-from .distill import ShardedDistill, distill_model, self_distill
+from .distill import ShardedDistill, cast_copy, distill_model, self_distill
 from .shards import Shards
 
 
@@ -183,13 +183,6 @@ def extract_features(target, seqs: list[tuple[torch.Tensor, int]], batch_tokens:
     for i in tqdm(shards.missing(), desc=f"{desc} (shards of {shard_size})", unit="shard"):
         shards.save(i, _features(decoder, [seqs[j] for j in shards.items(i)], batch_tokens, None).tensors())
     return FeatureSet.concat([FeatureSet.from_tensors(shards.load(i)) for i in range(shards.num)])
-
-
-def cast_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A fresh copy of ``module`` (same class and config, no hooks) with its weights in ``dtype``."""
-    twin = type(module)(module.config)
-    twin.load_state_dict(module.state_dict())
-    return twin.to(device=next(module.parameters()).device, dtype=dtype).eval()
 
 
 def _features(decoder, seqs: list[tuple[torch.Tensor, int]], batch_tokens: int, desc: str | None) -> FeatureSet:

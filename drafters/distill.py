@@ -141,13 +141,18 @@ class ShardedDistill:
         return answers
 
 
+def cast_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A fresh copy of a transformers ``module`` in ``dtype``: same class, its own config, no hooks."""
+    twin = type(module)(copy.deepcopy(module.config))
+    twin = twin.to(device=next(module.parameters()).device, dtype=dtype).eval()
+    twin.load_state_dict(module.state_dict())
+    return twin
+
+
 def distill_model(target, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """A copy of the target's model in ``dtype`` (default: its own) with grouped attention, for writing answers."""
-    model = target.model
-    twin = type(model)(copy.deepcopy(model.config))  # its own config: the attention choice lives there
-    twin = twin.to(device=target.device, dtype=dtype or target.dtype).eval()
-    twin.load_state_dict(model.state_dict())
-    twin.set_attn_implementation(GROUPED)
+    twin = cast_copy(target.model, dtype or target.dtype)
+    twin.set_attn_implementation(GROUPED)  # on the copy's own config
     return twin
 
 

@@ -237,7 +237,7 @@ class Eagle2Drafter(TrainedDrafter):
         k, budget = self.settings.top_k, self.settings.total_tokens
         head_in, feature = self.last
         logp = torch.log_softmax(self.frozen.logits(head_in[None]).float(), dim=-1)[0]
-        score, tok = logp.topk(min(k, logp.numel()))
+        score, tok = (t.cpu() for t in logp.topk(min(k, logp.numel())))  # the tree's bookkeeping is on the CPU
         # every candidate, level by level; a node's global id is its index in the concatenation
         scores, tokens, logps, parents, depths = ([score], [tok], [score], [torch.full_like(tok, -1)],
                                                   [torch.ones_like(tok)])
@@ -254,7 +254,7 @@ class Eagle2Drafter(TrainedDrafter):
             positions = torch.full((m,), accepted - 1 + d)
             head_in, feats = self._step(front_feat, self.frozen.vocab_map[front_tok], positions, allowed)
             logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)  # [m, V']
-            child_logp, child_tok = logp.topk(min(k, logp.shape[-1]), dim=-1)  # [m, k]
+            child_logp, child_tok = (t.cpu() for t in logp.topk(min(k, logp.shape[-1]), dim=-1))  # [m, k]
             child_score = (front_score[:, None] + child_logp).reshape(-1)
             width, n_new = child_tok.shape[1], child_tok.numel()
             scores.append(child_score)

@@ -27,10 +27,11 @@ class FrozenTarget:
         model = target.model
         self.embedding = model.get_input_embeddings()
         self.vocab_map = vocab_map.long().to(target.device)
-        self.head = model.get_output_embeddings().weight.detach()[self.vocab_map].clone()  # [V', H]
+        head = model.get_output_embeddings().weight.detach()[self.vocab_map]
+        self.head = head.to(target.dtype).clone()  # [V', H], in the drafter's dtype
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding(tokens).detach()
 
     def logits(self, head_in: torch.Tensor) -> torch.Tensor:
-        return head_in @ self.head.T.to(head_in.dtype)
+        return head_in @ self.head.T.to(head_in.dtype)  # a no-op cast unless training under autocast

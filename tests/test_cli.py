@@ -38,7 +38,7 @@ def test_bench_writes_the_documented_fields(tiny_folder, tmp_path):
     questions.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "results.json"
     code = main(["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld,hf",
-                 "--max-new-tokens", "10", "--out", str(out)])
+                 "--max-new-tokens", "10", "--out", str(out), "--dtype", "float32"])
     assert code == 0
     result = json.loads(out.read_text())
     for name in ("ar", "pld"):
@@ -48,6 +48,7 @@ def test_bench_writes_the_documented_fields(tiny_folder, tmp_path):
             assert key in m
         assert set(m["latency_ms"]) == {"draft", "verify", "accept", "other"}
         assert m["identical_to_ar"] == m["prompts"] == 2
+        assert m["exactness"] == {"identical": 2, "near-tie": 0, "clear": 0}
     assert result["methods"]["hf"]["identical_to_ar"] == 2  # our AR equals transformers' generate
     assert result["methods"]["ar"]["tau"] == 1.0 and len(result["per_prompt"]) == 2
 

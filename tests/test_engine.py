@@ -258,6 +258,28 @@ def test_step_records(method, target, ar_outputs):
     assert [r.finished for r in records] == [None] * (len(records) - 1) + ["length"]
 
 
+@pytest.mark.parametrize("method", ["ar", "eagle2"])
+def test_margins_are_the_targets_top2_gaps_per_emitted_token(method, target, ar_outputs, ref_logits):
+    """Each emitted token's margin is the target's top-1 minus top-2 logit where it chose that token."""
+    from specviz.core.metrics import divergence, token_margins
+
+    i = 2
+    result = run(target, GREEDY_BUILDERS[method](target), PROMPTS[i], NEW_TOKENS[i], stop_on_eos=False)
+    logits = ref_logits(target.model, PROMPTS[i] + result.output_ids)[len(PROMPTS[i]) - 1: -1]
+    top2 = logits.topk(2, -1).values
+    got = token_margins(result.records)
+    assert len(got) == len(result.output_ids)
+    torch.testing.assert_close(torch.tensor(got), top2[:, 0] - top2[:, 1], atol=1e-4, rtol=1e-4)
+    # a wrong token planted where AR's choice was closest / furthest from a tie
+    ids = result.output_ids
+    close, far = min(range(len(got)), key=got.__getitem__), max(range(len(got)), key=got.__getitem__)
+    tolerance = (got[close] + got[far]) / 2
+    for at, kind in ((close, "near-tie"), (far, "clear")):
+        planted = ids[:at] + [(ids[at] + 1) % VOCAB] + ids[at + 1:]
+        d = divergence(planted, ids, got, tolerance)
+        assert (d.kind, d.at) == (kind, at)
+
+
 def test_step_records_node_probabilities(target):
     """node_target_p is the target's probability of each draft token given its parent."""
     prompt = PROMPTS[1]

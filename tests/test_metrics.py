@@ -14,11 +14,13 @@ from specviz.core.metrics import (
     acceptance_by_depth,
     compare,
     decode_steps,
+    divergence,
     extra_memory_pct,
     identical,
     speedup,
     summarize,
     tau,
+    token_margins,
 )
 from specviz.core.timing import PhaseTimer, Timings
 from specviz.core.tree import DraftTree
@@ -116,3 +118,16 @@ def test_phase_timer_charges_each_block_to_its_phase(monkeypatch):
         pass
     assert timer.timings == Timings(draft=1.25, verify=2.5)
     assert timer.timings.total == pytest.approx(3.75)
+
+
+def test_divergence_labels_a_near_tie_and_a_clear_decision():
+    ar, margins = [5, 6, 7, 8], [3.0, 0.05, 2.5, 4.0]
+    assert divergence([5, 6, 7, 8], ar, margins, 0.1).kind == "identical"
+    tie = divergence([5, 9, 7, 8], ar, margins, tolerance=0.1)  # AR's choice at token 2 was a near-tie
+    assert (tie.kind, tie.at, tie.gap) == ("near-tie", 1, 0.05) and "identical up to floating point" in tie.describe()
+    clear = divergence([5, 6, 1, 8], ar, margins, tolerance=0.1)  # AR's choice at token 3 was clear
+    assert (clear.kind, clear.at, clear.gap) == ("clear", 2, 2.5) and "clear decision" in clear.describe()
+    assert divergence([5, 9], ar, margins, tolerance=0.01).kind == "clear"  # the same gap, a tighter precision
+    assert divergence([5, 6, 7], ar, margins, 0.1) == divergence([5, 6, 7], ar, margins, 0.1)
+    assert divergence([5, 6, 7], ar, margins, 10.0).kind == "near-tie"  # stopped early where AR's gap was 4.0
+    assert divergence([5, 6, 7, 8, 2], ar, margins, 10.0).gap is None  # went on after AR's end: clear

@@ -175,3 +175,29 @@ def test_eos_token_id_zero_in_generation_config_only(tiny_target):
     assert target.eos_token_ids == {0}
     target.config.eos_token_id = 7  # generation_config wins over the model config
     assert target.eos_token_ids == {0}
+
+
+def test_a_bf16_target_runs_its_norm_and_head_in_fp32(tiny_llama):
+    """The body stays bf16; the final norm and an untied fp32 copy of the head make fp32 logits."""
+    import copy
+
+    from specviz.core.target import TargetModel
+
+    model = tiny_llama(seed=4).to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    target = TargetModel(model)
+    assert target.dtype == torch.bfloat16 and model.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.float32
+    assert model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()  # untied
+    torch.testing.assert_close(model.lm_head.weight, plain.lm_head.weight.float())  # the same values, now fp32
+    ids = [3, 7, 1, 9, 4]
+    logits, feats = target.prefill(ids, target.new_cache())
+    assert logits.dtype == feats.dtype == torch.float32
+    seen = []  # the bf16 body's output, as the plain model's own final norm receives it
+    plain.model.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    with torch.inference_mode():
+        plain(input_ids=torch.tensor([ids]))
+    h = seen[0][0, -1].float()
+    normed = plain.model.norm.weight.float() * h * torch.rsqrt(h.pow(2).mean() + model.config.rms_norm_eps)
+    torch.testing.assert_close(feats[-1], normed, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, normed @ plain.lm_head.weight.float().T, atol=1e-4, rtol=1e-4)

@@ -21,7 +21,7 @@ from drafters import build_drafter, parse_spec
 from drafters.checkpoint import CARD, default_path, read_card, shareable_path, update_card
 from specviz.core.engine import StepRecord, run
 from specviz.core.errors import SettingsError
-from specviz.core.metrics import compare, decode_steps, extra_memory_pct, identical
+from specviz.core.metrics import TIE_TOLERANCE, compare, decode_steps, divergence, extra_memory_pct, token_margins
 from specviz.core.target import TargetModel
 from specviz.core.timing import now
 from specviz.core.verify import Sampling
@@ -125,7 +125,8 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
     if finished > len(questions) or any(len(r) != finished for r in results.values()):
         raise SettingsError(f"the run to resume has {finished} prompts per method; "
                             f"this question set has {len(questions)}")
-    per_prompt = [_row(q, len(ids), {label: results[label][i] for label in labels})
+    tolerance = TIE_TOLERANCE.get(str(target.dtype).replace("torch.", "")) if sampling.greedy else None
+    per_prompt = [_row(q, len(ids), {label: results[label][i] for label in labels}, tolerance)
                   for i, (q, ids) in enumerate(zip(questions[:finished], prompts))]
 
     def report(interrupted: bool) -> dict:
@@ -133,7 +134,7 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
         summary = {}
         for label in labels:
             done = len(per_prompt)
-            summary[label] = compare(results[label][:done], results["ar"][:done], categories)
+            summary[label] = compare(results[label][:done], results["ar"][:done], categories, tolerance)
             summary[label]["extra_memory_pct"] = extra_memory_pct(extra[label], target.num_parameters)
             if not sampling.greedy:
                 summary[label]["identical_to_ar_note"] = ("sampling: outputs differ from AR by design; "
@@ -162,21 +163,33 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
         done = {label: ran[label] for label in labels}
         for label in labels:
             results[label].append(done[label])
-        per_prompt.append(_row(q, len(ids), done))
+        per_prompt.append(_row(q, len(ids), done, tolerance))
         yield report(len(per_prompt) < len(questions))
 
 
-def _row(q: Question, prompt_tokens: int, done: dict[str, PromptRun]) -> dict:
+def _row(q: Question, prompt_tokens: int, done: dict[str, PromptRun], tolerance: float | None) -> dict:
     row = {"id": q.id, "category": q.category, "prompt_tokens": prompt_tokens, "methods": {}}
+    ar = done["ar"]
     for label, r in done.items():
-        entry = {"new_tokens": len(r.output), "wall_s": r.wall_s,
-                 "identical_to_ar": identical(r.output, done["ar"].output)}
+        entry = {"new_tokens": len(r.output), "wall_s": r.wall_s, "identical_to_ar": r.output == ar.output}
+        if tolerance is not None and r.output != ar.output:
+            d = divergence(r.output, ar.output, token_margins(ar.records), tolerance)
+            entry["divergence"] = {"kind": d.kind, "at": d.at, "gap": d.gap}
         if r.records is not None:
             decode = decode_steps(r.records)
             entry["steps"] = len(decode)
             entry["accepted_per_step"] = [x.accepted for x in decode]
         row["methods"][label] = entry
     return row
+
+
+def exactness_text(m: dict) -> str:
+    """'8/8', or with near-ties and clear divergences counted apart: '5/8 (+3 near-ties, 0 clear)'."""
+    text = f"{m['identical_to_ar']}/{m['prompts']}"
+    e = m.get("exactness")
+    if e and (e["near-tie"] or e["clear"]):
+        text += f" (+{e['near-tie']} near-tie{'s' * (e['near-tie'] != 1)}, {e['clear']} clear)"
+    return text
 
 
 def machine_description() -> str:

@@ -17,7 +17,8 @@ GREEN, YELLOW, RESET = "\033[32m", "\033[33m", "\033[0m"
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="HF model id or folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bf16 on CUDA and on CPUs fast at it (AMX, AVX-512 BF16), else float32 (exact)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("profile", help="verify-cost curve: ms per target forward vs tokens verified")
     pr.add_argument("--target", default=None)
-    pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    pr.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     pr.add_argument("--device", default=None)
     pr.add_argument("--context", type=int, default=256)
     pr.add_argument("--max-size", type=int, default=64)
@@ -167,7 +168,7 @@ def cmd_generate(args) -> None:
 def cmd_bench(args) -> None:
     from specviz.core.load import load_target
 
-    from .bench import bench, record_benchmark
+    from .bench import bench, exactness_text, record_benchmark
     from .questions import load_questions
     from .runlog import RunLog
 
@@ -212,8 +213,7 @@ def cmd_bench(args) -> None:
     print(f"{'method':28} {'tau':>6} {'tok/s':>7} {'speedup':>8} {'identical':>10}")
     for label, m in results["methods"].items():
         tau = f"{m['tau']:.2f}" if "tau" in m else "-"
-        print(f"{label:28} {tau:>6} {m['tokens_per_s']:7.1f} {m['speedup']:7.2f}x "
-              f"{m['identical_to_ar']:>4}/{m['prompts']}")
+        print(f"{label:28} {tau:>6} {m['tokens_per_s']:7.1f} {m['speedup']:7.2f}x {exactness_text(m):>10}")
     if results["interrupted"]:
         print(f"interrupted: kept the {len(results['per_prompt'])} prompts every method finished; "
               "the same command with --resume goes on from there")
@@ -244,6 +244,8 @@ def cmd_profile(args) -> None:
 
 def markdown_table(results: dict) -> str:
     """τ, α, speed and equality per method, in the README's format."""
+    from .bench import exactness_text
+
     lines = [
         "| method | τ | α_1..4 conditional | α_1..4 unconditional | tok/s | speedup vs ar | identical to AR "
         "| ms/token draft · verify · accept · other |",
@@ -255,7 +257,7 @@ def markdown_table(results: dict) -> str:
         uncond = " / ".join(f"{a:.2f}" for a in m.get("alpha_unconditional", [])[:4]) or "–"
         lat = " · ".join(f"{v:.1f}" for v in m["latency_ms"].values()) if "latency_ms" in m else "–"
         lines.append(f"| `{label}` | {tau} | {cond} | {uncond} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}× "
-                     f"| {m['identical_to_ar']}/{m['prompts']} | {lat} |")
+                     f"| {exactness_text(m)} | {lat} |")
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ LEGEND = ('<span class="sv-acc">accepted draft</span> · <span class="sv-bonus">
 CSS = """
 .sv-column { min-width: 260px; }
 .sv-head { font-size: 0.9em; margin-bottom: 4px; }
-.sv-same { color: #2e7d32; } .sv-differs, .sv-error { color: #c0392b; }
+.sv-same { color: #2e7d32; } .sv-tie { color: #b7791f; } .sv-differs, .sv-error { color: #c0392b; }
 .sv-tokens { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.6; }
 .sv-acc { background: #d7f0dd; border-bottom: 2px solid #2e9e4f; }
 .sv-bonus { background: #fbe7c2; border-bottom: 2px solid #d98c00; }

@@ -28,6 +28,7 @@ class StepRecord:
     bonus_target_p: float
     timings: Timings = field(default_factory=Timings)
     finished: str | None = None  # "eos" | "length" on the last step
+    margins: list[float] = field(default_factory=list)  # per emitted token: the target's top-1 minus top-2 logit
 
     @property
     def accepted(self) -> int:
@@ -54,9 +55,21 @@ def check_request(target: TargetModel, prompt_ids: list[int], max_new_tokens: in
         )
 
 
-def _display_p(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """Target probabilities to show on hover (softmax at T=1 when decoding greedily)."""
-    return probabilities(logits, s) if not s.greedy else torch.softmax(logits.float(), dim=-1)
+def shown_p(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """The target's probability of token ``cols[i]`` at verify row ``rows[i]``, as hovers show it: the
+    sampling distribution, or the softmax at T=1 when greedy (one logsumexp per row, no full softmax)."""
+    rows, cols = rows.to(logits.device), cols.to(logits.device)
+    if s.greedy:
+        return (logits[rows, cols].float() - torch.logsumexp(logits.float(), dim=-1)[rows]).exp().cpu()
+    return probabilities(logits, s)[rows, cols].cpu()
+
+
+def margins(logits: torch.Tensor, rows: list[int]) -> list[float]:
+    """The target's top-1 minus top-2 logit at each verify row: how close its choice came to a tie."""
+    if logits.shape[-1] < 2:
+        return [float("inf")] * len(rows)
+    top = logits[rows].float().topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
 
 
 def generate(
@@ -96,8 +109,9 @@ def generate(
     with timer("draft"):
         drafter.observe(Commit(torch.as_tensor(prompt_ids), feats, first))
     tokens, finished = finish([first], 0)
-    p_first = float(_display_p(logits, sampling)[first])
-    yield StepRecord(0, DraftTree.empty(), [], tokens, first, torch.zeros(0), p_first, timer.timings, finished)
+    p_first = float(shown_p(logits[None], torch.zeros(1, dtype=torch.long), torch.tensor([first]), sampling)[0])
+    yield StepRecord(0, DraftTree.empty(), [], tokens, first, torch.zeros(0), p_first, timer.timings, finished,
+                     margins(logits[None], [0]))
     sequence, produced, step = list(prompt_ids) + tokens, len(tokens), 0
     while finished is None:
         step += 1
@@ -116,13 +130,15 @@ def generate(
             committed = tree.input_ids(sequence[-1])[keep]
             drafter.observe(Commit(committed, feats[keep], result.bonus))
         with timer("other"):
-            probs = _display_p(logits, sampling)
-            node_p = probs[tree.parents, tree.tokens.to(probs.device)].cpu() if len(tree) else torch.zeros(0)
-            bonus_p = float(probs[result.path[-1] if result.path else 0, result.bonus])
+            last = result.path[-1] if result.path else 0
+            shown = shown_p(logits, torch.cat([tree.parents, torch.tensor([last])]),
+                            torch.cat([tree.tokens, torch.tensor([result.bonus])]), sampling)
             new, finished = finish(committed[1:].tolist() + [result.bonus], produced)
             sequence += new
             produced += len(new)
-        yield StepRecord(step, tree, result.path, new, result.bonus, node_p, bonus_p, timer.timings, finished)
+            gaps = margins(logits, keep)[: len(new)]  # row keep[i] chose emitted token i
+        yield StepRecord(step, tree, result.path, new, result.bonus, shown[:-1], float(shown[-1]), timer.timings,
+                         finished, gaps)
 
 
 @dataclass

@@ -98,19 +98,21 @@ def resolve_dtype_or_auto(dtype: str | torch.dtype, device: str | None = None) -
 
 
 def load_causal_lm(spec: str | None, dtype="float32", device: str | None = None):
-    """(model, tokenizer) for ``spec``: None/'embedded', a local folder or a Hugging Face id."""
+    """(model, tokenizer) for ``spec``: None/'embedded', a local folder or a Hugging Face id.
+    ``dtype`` "auto": bf16 on CUDA and on CPUs fast at it (AMX, AVX-512 BF16), else fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = device or default_device()
     spec = spec or EMBEDDED
     source = embedded_folder() if spec == EMBEDDED else spec
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype))
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype_or_auto(dtype, device))
     except LoadError:
         raise
     except Exception as e:  # noqa: BLE001 - any hub/IO/config failure becomes one clear message
         raise LoadError(f"could not load model {spec!r}: {type(e).__name__}: {e}".splitlines()[0]) from e
-    return model.to(device or default_device()).eval(), tokenizer
+    return model.to(device).eval(), tokenizer
 
 
 def load_target(spec: str | None = None, dtype="float32", device: str | None = None) -> TargetModel:

@@ -5,6 +5,8 @@
 - alpha_unconditional[k]: accepted at depth k / all decode steps (vLLM).
 - speedup: AR's time per token over the method's (same prompts, same process).
 - identical to AR: the same tokens as AR (so far, while either still runs).
+- divergence: where a run first leaves AR's tokens, and whether AR's choice there was a near-tie (its
+  top-2 logit gap within the precision's tolerance: "identical up to floating point") or a clear decision.
 """
 
 from __future__ import annotations
@@ -72,6 +74,44 @@ def identical(ids: Sequence[int], ar_ids: Sequence[int], so_far: bool = False) -
     return list(ids) == list(ar_ids)
 
 
+# Logit gap below which a divergence from AR is a floating-point near-tie, by dtype: twice the largest
+# difference measured between the logits of one-token decode steps and of one forward over the whole
+# sequence (embedded target, 2 MT-bench answers each, 2026-11-24): fp32 6.5e-5, fp16 0.094, bf16 0.87.
+TIE_TOLERANCE = {"float32": 2e-4, "float16": 0.2, "bfloat16": 2.0}
+
+
+@dataclass(frozen=True)
+class Divergence:
+    kind: str  # "identical" | "near-tie" (identical up to floating point) | "clear" (a real difference)
+    at: int | None = None  # index of the first differing token
+    gap: float | None = None  # AR's top-1 minus top-2 logit there
+
+    def describe(self) -> str:
+        if self.kind == "identical":
+            return "identical to AR"
+        where = f"diverged from AR at token {self.at + 1}"
+        if self.gap is None:
+            return f"{where} (a clear decision: AR's output ends there)"
+        if self.kind == "near-tie":
+            return (f"{where}, where AR's top-2 logits were {self.gap:.3g} apart: "
+                    "a near-tie (identical up to floating point)")
+        return f"{where}, where AR's top-2 logits were {self.gap:.3g} apart: a clear decision"
+
+
+def token_margins(records: Sequence[StepRecord]) -> list[float]:
+    """The target's top-1 minus top-2 logit for each emitted token, in order."""
+    return [m for r in records for m in r.margins]
+
+
+def divergence(ids: Sequence[int], ar_ids: Sequence[int], ar_margins: Sequence[float], tolerance: float) -> Divergence:
+    """Classify a run against AR: identical, a near-tie divergence, or a clear one (see TIE_TOLERANCE)."""
+    if list(ids) == list(ar_ids):
+        return Divergence("identical")
+    at = next((i for i, (a, b) in enumerate(zip(ids, ar_ids)) if a != b), min(len(ids), len(ar_ids)))
+    gap = ar_margins[at] if at < len(ar_margins) and at < len(ar_ids) else None
+    return Divergence("near-tie" if gap is not None and gap <= tolerance else "clear", at, gap)
+
+
 def summarize(records: Sequence[StepRecord], wall_s: float | None = None) -> RunMetrics:
     decode = decode_steps(records)
     new_tokens = len(output_ids(records))
@@ -101,9 +141,11 @@ class TimedRun(Protocol):
     records: list[StepRecord] | None
 
 
-def compare(runs: Sequence[TimedRun], ar_runs: Sequence[TimedRun], categories: Sequence[str] | None = None) -> dict:
+def compare(runs: Sequence[TimedRun], ar_runs: Sequence[TimedRun], categories: Sequence[str] | None = None,
+            tolerance: float | None = None) -> dict:
     """A method's runs against AR's on the same prompts: speed, speedup, identical count, τ and α (engine runs),
-    and τ and speedup per category when ``categories`` names each prompt's."""
+    τ and speedup per category when ``categories`` names each prompt's, and with ``tolerance`` (and AR's
+    records) the divergences split into near-ties and clear decisions."""
     tokens, wall = sum(len(r.output) for r in runs), sum(r.wall_s for r in runs)
     ar_tokens, ar_wall = sum(len(r.output) for r in ar_runs), sum(r.wall_s for r in ar_runs)
     out = {
@@ -114,6 +156,10 @@ def compare(runs: Sequence[TimedRun], ar_runs: Sequence[TimedRun], categories: S
         "speedup": speedup(tokens, wall, ar_tokens, ar_wall),
         "identical_to_ar": sum(identical(r.output, a.output) for r, a in zip(runs, ar_runs)),
     }
+    if tolerance is not None and all(a.records is not None for a in ar_runs):
+        kinds = [divergence(r.output, a.output, token_margins(a.records), tolerance).kind
+                 for r, a in zip(runs, ar_runs)]
+        out["exactness"] = {k: kinds.count(k) for k in ("identical", "near-tie", "clear")}
     if runs and runs[0].records is not None:
         m = summarize([rec for r in runs for rec in r.records], wall)
         out.update(tau=m.tau, latency_ms=m.latency_ms, mean_tree_size=m.mean_tree_size,

@@ -31,8 +31,29 @@ def final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
+def fp32_head(model: torch.nn.Module) -> bool:
+    """Run the final norm and the LM head of a bf16/fp16 model in fp32 (the body keeps its dtype).
+
+    Logits straight out of a bf16 head move in steps of 0.125 at magnitudes 16-32, so exact ties are
+    common and a tree verify and a one-token forward break them differently. In fp32 the logits rarely
+    tie; what is left are true near-ties of the bf16 body. The head gets its own fp32 copy of a tied
+    embedding. Returns False where the model has no recognisable final norm or head."""
+    norm, head = final_norm(model), model.get_output_embeddings()
+    if norm is None or head is None or not isinstance(head, torch.nn.Linear):
+        return False
+    norm.float()
+    norm.register_forward_pre_hook(lambda _m, args: (args[0].float(), *args[1:]))
+    head.weight = torch.nn.Parameter(head.weight.detach().float().clone(), requires_grad=False)
+    if head.bias is not None:
+        head.bias = torch.nn.Parameter(head.bias.detach().float().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    return True
+
+
 class TargetModel:
-    """Wraps a causal LM for one sequence at a time (batch size 1); each decode brings its own cache."""
+    """Wraps a causal LM for one sequence at a time (batch size 1); each decode brings its own cache.
+
+    A bf16/fp16 model runs its final norm and LM head in fp32 (``fp32_head``)."""
 
     def __init__(self, model, tokenizer=None, name: str = "target"):
         self.model = model.eval()
@@ -40,6 +61,9 @@ class TargetModel:
         self.name = name
         self.config = model.config
         self._features: torch.Tensor | None = None
+        self.body_dtype = next(model.parameters()).dtype
+        if self.body_dtype != torch.float32:
+            fp32_head(model)
         norm = final_norm(model)
         self._hooked = norm is not None
         if norm is not None:
@@ -52,7 +76,8 @@ class TargetModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        """The body's dtype (the one drafters run in); the final norm and head may be fp32."""
+        return self.body_dtype
 
     @property
     def vocab_size(self) -> int:

@@ -6,6 +6,9 @@
   ``child_dists`` row, or as fixed choices when the tree has none (SpecInfer / EAGLE style).
   A chain with one sampled child per node is exactly Leviathan et al. / Chen et al.
 - ``typical``: Medusa's typical acceptance. **Lossy**: the output distribution is not the target's.
+
+Random draws happen on the CPU with the run's CPU generator (the rows they need are copied there), so a
+seed gives the same draws whatever device the target runs on.
 """
 
 from __future__ import annotations
@@ -96,15 +99,15 @@ def _greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
 
 
 def _sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
 def _rejection(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> Acceptance:
     tokens, kids = tree.tokens.tolist(), tree.children()
     node, path = 0, []
     while True:
-        p = probabilities(logits[node], s)
-        q = None if tree.child_dists is None else tree.child_dists[node].float().clone()
+        p = probabilities(logits[node], s).cpu()
+        q = None if tree.child_dists is None else tree.child_dists[node].float().cpu().clone()
         chosen = None
         for child in kids[node]:
             x = tokens[child - 1]
@@ -121,7 +124,7 @@ def _rejection(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Ge
                 q = q / q.sum() if q.sum() > 0 else q
             total = p.sum()
             if total <= 0:  # numerically empty residual: fall back to the target itself
-                p = probabilities(logits[node], s)
+                p = probabilities(logits[node], s).cpu()
                 break
             p = p / total
         if chosen is None:
@@ -137,7 +140,7 @@ def _typical(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Gene
     entropy = -(probs * torch.log(probs + 1e-10)).sum(-1)
     threshold = torch.minimum(torch.full_like(entropy, s.typical_epsilon), s.typical_delta * torch.exp(-entropy))
     tokens, parents = tree.tokens, tree.parents
-    ok = probs[parents, tokens] > threshold[parents] if len(tree) else torch.zeros(0, dtype=torch.bool)
+    ok = (probs[parents, tokens] > threshold[parents]).tolist() if len(tree) else []
     best: list[int] = []
     for path in tree.paths():
         keep = []

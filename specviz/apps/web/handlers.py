@@ -45,7 +45,8 @@ class Handlers:
         """The Race tab: stream every selected method's column while the race runs at full speed."""
         plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p,
                          slider_settings(self.specs, setting_values))
-        view = views.RaceView(plan, self.state.target.decode, bool(show_rejected))
+        view = views.RaceView(plan, self.state.target.decode, bool(show_rejected),
+                              str(self.state.target.dtype).replace("torch.", ""))
         session, stop = _session(request), threading.Event()
         self.state.stops[session] = stop
         try:

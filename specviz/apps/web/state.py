@@ -73,7 +73,7 @@ class AppState:
         return self.built[key]
 
 
-def load_state(target: str | None = None, dtype: str = "float32", device: str | None = None,
+def load_state(target: str | None = None, dtype: str = "auto", device: str | None = None,
                assistant: str | None = None, warm_up=None) -> AppState:
     """Load the target and every drafter on the engine thread, then run ``warm_up(state)`` there."""
     start = time.perf_counter()
