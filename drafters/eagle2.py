@@ -17,7 +17,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from specviz.core.protocol import Commit, DraftRequest, Settings
+from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings
 from specviz.core.tree import DraftTree, additive_mask
 
 from .trained import TrainedDrafter
@@ -162,9 +162,9 @@ def feature_loss(net: FeatureNet, frozen: FrozenTarget, tokens, feats, valid, op
 class TreeSettings(Settings):
     """Dynamic tree: expand the top_k best nodes per depth, then keep the total_tokens best overall.
 
-    The defaults are the fastest on the 2-core CPU for the shipped checkpoints (swept on held-out
-    ShareGPT prompts): with their acceptance, only a two-node tree pays for itself there. The
-    paper's settings (EAGLE-2: depth 6, top_k 10, total_tokens 60) are in ``PAPER``.
+    The CLI and the app choose depth and total_tokens for the machine (``specviz/apps/tuning.py``);
+    the values here are the untuned fallback. The paper's (EAGLE-2: depth 6, top_k 10,
+    total_tokens 60) are in ``PAPER``.
     """
 
     depth: int = 1
@@ -174,6 +174,10 @@ class TreeSettings(Settings):
     ranges = {"depth": (1, 16), "top_k": (1, 32), "total_tokens": (1, 256)}
 
     PAPER = {"depth": 6, "top_k": 10, "total_tokens": 60}
+
+    @classmethod
+    def budget_grids(cls, target) -> list[BudgetGrid]:
+        return [BudgetGrid("depth", "total_tokens", (("top_k", 8),))]
 
 
 class Eagle2Drafter(TrainedDrafter):
@@ -269,10 +273,10 @@ class Eagle2Drafter(TrainedDrafter):
             count += n_new
         flat_score, flat_depth = torch.cat(scores), torch.cat(depths)
         key = flat_score - 1e-4 * flat_depth  # a parent always outranks its children
-        keep = key.topk(min(budget, key.numel())).indices.sort().values  # ids grow with depth
+        keep, rank = key.topk(min(budget, key.numel())).indices.sort()  # ids grow with depth; rank = keep order
         index = torch.full((count,), -1, dtype=torch.long)
         index[keep] = torch.arange(1, keep.numel() + 1)
         parent_ids = torch.cat(parents)[keep]
         parent_input = torch.where(parent_ids < 0, torch.zeros_like(parent_ids), index[parent_ids.clamp_min(0)])
         return DraftTree(self.frozen.vocab_map[torch.cat(tokens)[keep]].cpu(), parent_input,
-                         torch.cat(logps)[keep].cpu())
+                         torch.cat(logps)[keep].cpu(), info={"rank": rank})

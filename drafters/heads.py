@@ -14,13 +14,14 @@ protocol, used teacher-forced in training and by beam search at decoding time:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specviz.core.errors import SettingsError
-from specviz.core.protocol import Commit, DraftRequest, Settings
+from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings
 from specviz.core.tree import DraftTree
 
 from .trained import TrainedDrafter
@@ -145,6 +146,11 @@ class BeamSettings(Settings):
     length: int = 1
     checkpoint: str = ""  # folder; empty = the shipped one in assets/drafters/<method>
     ranges = {"width": (1, 32), "length": (1, 8)}
+    longest: ClassVar[int] = 8  # the longest draft the tuner tries
+
+    @classmethod
+    def budget_grids(cls, target) -> list[BudgetGrid]:
+        return [BudgetGrid("length", None, (("width", w),), depths=tuple(range(1, cls.longest + 1))) for w in (1, 4)]
 
 
 class HeadDrafter(TrainedDrafter):

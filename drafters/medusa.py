@@ -10,13 +10,14 @@ With ``top_k=1`` it is a chain. Medusa's typical acceptance (``--rule typical``)
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from specviz.core.errors import SettingsError
-from specviz.core.protocol import DraftRequest, Settings
+from specviz.core.protocol import BudgetGrid, DraftRequest, Settings
 from specviz.core.tree import DraftTree
 
 from .heads import DEPTH, HeadDrafter, ResBlock
@@ -74,6 +75,10 @@ class MedusaSettings(Settings):
 
     PAPER = {"heads": 4, "top_k": 4, "total_tokens": 16}
 
+    @classmethod
+    def budget_grids(cls, target) -> list[BudgetGrid]:
+        return [BudgetGrid("heads", "total_tokens", (("top_k", 8),), depths=tuple(range(1, DEPTH + 1)))]
+
 
 class MedusaDrafter(HeadDrafter):
     name = "medusa"
@@ -90,6 +95,11 @@ class MedusaDrafter(HeadDrafter):
         self.depth_of = torch.tensor([len(c) - 1 for c in self.choices])
         self.rank_of = torch.tensor([c[-1] for c in self.choices])
         self.parent_of = torch.tensor([index.get(c[:-1], 0) for c in self.choices])
+        acc = rank_accuracy(self.card, settings.heads, settings.top_k)
+        score = [-math.prod(acc[k][r] for k, r in enumerate(c)) for c in self.choices]
+        order = sorted(range(len(self.choices)), key=lambda i: (score[i], self.choices[i]))  # the order chosen
+        self.keep_order = torch.empty(len(order), dtype=torch.long)
+        self.keep_order[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> DraftTree:
@@ -102,4 +112,4 @@ class MedusaDrafter(HeadDrafter):
         n = int((self.depth_of < depth).sum())  # choices are sorted by length: the shallow ones come first
         d, r = self.depth_of[:n].to(top.device), self.rank_of[:n].to(top.device)
         return DraftTree(self.frozen.vocab_map[top[d, r]].cpu(), self.parent_of[:n], top_logp[d, r].cpu(), None,
-                         {"choices": self.choices[:n]})
+                         {"choices": self.choices[:n], "rank": self.keep_order[:n]})

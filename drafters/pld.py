@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from specviz.core.errors import SettingsError
-from specviz.core.protocol import Drafter, DraftRequest, Settings
+from specviz.core.protocol import BudgetGrid, Drafter, DraftRequest, Settings
 from specviz.core.tree import DraftTree
 
 
@@ -15,6 +15,10 @@ class PromptLookupSettings(Settings):
     max_ngram: int = 3
     min_ngram: int = 2  # 1-gram matches are mostly wrong on chat text and cost a wider verify
     ranges = {"num_tokens": (1, 64), "max_ngram": (1, 8), "min_ngram": (1, 8)}
+
+    @classmethod
+    def budget_grids(cls, target) -> list[BudgetGrid]:
+        return [BudgetGrid("num_tokens", depths=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16))]
 
     def __post_init__(self) -> None:
         super().__post_init__()

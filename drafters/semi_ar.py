@@ -86,6 +86,7 @@ class LstmLM(nn.Module):
 
 class SemiSettings(BeamSettings):
     PAPER = {"width": 1, "length": 4}  # the K = 4 chain
+    longest = DEPTH
 
 
 class SemiAttnDrafter(HeadDrafter):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specviz.core.errors import SettingsError
-from specviz.core.protocol import Settings
+from specviz.core.protocol import BudgetGrid, Settings
 
 from .chain_lm import ChainLMDrafter
 
@@ -18,6 +18,10 @@ class SkipSettings(Settings):
     layers: int = 6  # first N target layers used as the draft model
     num_tokens: int = 4
     ranges = {"layers": (1, 1024), "num_tokens": (1, 32)}
+
+    @classmethod
+    def budget_grids(cls, target) -> list[BudgetGrid]:
+        return [BudgetGrid("num_tokens")]
 
     @classmethod
     def limits(cls, target) -> dict[str, tuple]:

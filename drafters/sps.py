@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specviz.core.errors import SettingsError
-from specviz.core.protocol import Settings
+from specviz.core.protocol import BudgetGrid, Settings
 
 from .chain_lm import ChainLMDrafter
 
@@ -16,6 +16,10 @@ class AssistantSettings(Settings):
     num_tokens: int = 4
     dtype: str = "float32"
     ranges = {"num_tokens": (1, 32)}
+
+    @classmethod
+    def budget_grids(cls, target) -> list[BudgetGrid]:
+        return [BudgetGrid("num_tokens")]
 
 
 def check_same_vocab(target, model, tokenizer) -> None:

@@ -45,6 +45,11 @@ def test_defaults_and_limits_come_from_the_settings_classes(state):
     sliders = {(s.method, s.name) for s in setting_specs(state)}
     assert ("skip", "num_tokens") in sliders and ("skip", "layers") not in sliders  # one possible value: no slider
     assert state.drafter("pld", {}) is state.drafters["pld"]
+    tuned = state.tuned["pld"].settings  # the budget chosen for this machine is where every method starts
+    assert tuned and state.drafters["pld"].settings.num_tokens == tuned["num_tokens"]
+    assert state.defaults("pld")["num_tokens"] == tuned["num_tokens"]
+    assert plan_race(state, "Count.", ["ar", "pld"], 8, 0.0, 1.0, None).expected["pld"] == pytest.approx(
+        state.tuned["pld"].expected_speedup)
     other = state.drafter("pld", {"num_tokens": 3})
     assert other is not state.drafters["pld"] and state.drafter("pld", {"num_tokens": 3}) is other
 

@@ -59,14 +59,22 @@ def _hf_runner(target: TargetModel, max_new_tokens: int, sampling: Sampling, ext
 
 
 def _engine_runner(target: TargetModel, name: str, settings: dict, max_new_tokens: int,
-                   sampling: Sampling) -> tuple[Callable, int]:
+                   sampling: Sampling) -> tuple[Callable, int, dict]:
+    """The method at its settings (its tuned budget unless given, see ``tuning.resolve``), its extra
+    parameters, and what the bench records about its budget."""
+    from .tuning import resolve
+
+    settings, tuned = resolve(target, name, settings)
     drafter = build_drafter(name, target, **settings)
 
     def go(ids: list[int]) -> PromptRun:
         result = run(target, drafter, ids, max_new_tokens, sampling)
         return PromptRun(result.output_ids, result.wall_s, result.records)
 
-    return go, drafter.num_parameters()
+    budget = {"settings": settings}
+    if tuned is not None:
+        budget.update(tuned=True, expected_tau=tuned.expected_tau, expected_speedup=tuned.expected_speedup)
+    return go, drafter.num_parameters(), budget
 
 
 def bench(target: TargetModel, methods: list[str], questions: list[Question], max_new_tokens: int = 128,
@@ -105,13 +113,14 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
     if "ar" not in labels:  # AR is the reference for speedup and identical_to_ar
         specs.insert(0, ("ar", {}))
         labels.insert(0, "ar")
-    runners, extra = {}, {}
+    runners, extra, budgets = {}, {}, {}
     for label, (name, settings) in zip(labels, specs):
         if name in HF_BASELINES:
             runners[label] = _hf_runner(target, max_new_tokens, sampling, {**HF_BASELINES[name], **settings})
             extra[label] = 0
         else:
-            runners[label], extra[label] = _engine_runner(target, name, settings, max_new_tokens, sampling)
+            runners[label], extra[label], budgets[label] = _engine_runner(target, name, settings, max_new_tokens,
+                                                                          sampling)
     prompts = [target.encode_chat(q.prompt) for q in questions]
     if warmup:
         for go in runners.values():
@@ -136,6 +145,8 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
             done = len(per_prompt)
             summary[label] = compare(results[label][:done], results["ar"][:done], categories, tolerance)
             summary[label]["extra_memory_pct"] = extra_memory_pct(extra[label], target.num_parameters)
+            if label in budgets:
+                summary[label]["budget"] = budgets[label]
             if not sampling.greedy:
                 summary[label]["identical_to_ar_note"] = ("sampling: outputs differ from AR by design; "
                                                           "compare distributions, not tokens")

@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint folder (default: the run's folder in the cache; --ship for assets/drafters/NAME)")
     t.add_argument("--ship", action="store_true", help="write the final checkpoint into assets/drafters/NAME")
 
+    tu = sub.add_parser("tune", help="choose each method's draft budget for this machine (cached)")
+    tu.add_argument("--target", default=None)
+    tu.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    tu.add_argument("--device", default=None)
+    tu.add_argument("--methods", default="all", help="comma-separated, or all")
+    tu.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
+
     sub.add_parser("methods", help="list the methods and their settings")
     return parser
 
@@ -135,12 +142,16 @@ def cmd_generate(args) -> None:
     from specviz.core.metrics import acceptance_by_depth, extra_memory_pct, summarize
 
     from .bench import parse_method
+    from .tuning import resolve
 
     sampling = _sampling(args)
     if not args.prompt.strip():
         raise SpecvizError("the prompt is empty")
     name, settings = parse_method(args.method)
     target = load_target(args.target, args.dtype, args.device)
+    settings, tuned = resolve(target, name, settings)
+    if tuned is not None:
+        print(f"budget for this machine: {tuned.describe()}", flush=True)
     drafter = build_drafter(name, target, **settings)
     ids = target.encode_chat(args.prompt)
     check_request(target, ids, args.max_new_tokens)
@@ -358,6 +369,30 @@ def cmd_train(args) -> None:
               f"validation {card['history'][-1]['val']}")
 
 
+def cmd_tune(args) -> None:
+    from specviz.core.load import load_target
+
+    from .tuning import machine_costs, tune
+
+    target = load_target(args.target, args.dtype, args.device)
+    names = list(METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    for name in names:
+        if name not in METHODS:
+            raise SpecvizError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    curve, ar_other = machine_costs(target, args.refresh)
+    print(f"verify cost ({str(target.dtype).replace('torch.', '')}, {target.device}): "
+          + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in zip(curve.tokens, curve.ms))
+          + f"; AR's own per-step overhead {ar_other:.1f} ms")
+    for name in names:
+        try:
+            tuned = tune(target, name, refresh=args.refresh)
+        except SpecvizError as e:
+            print(f"{name}: not tuned ({e})")
+            continue
+        took = f"  [tuned in {tuned.seconds:.1f} s]" if tuned.seconds else "" if not tuned.settings else "  [cached]"
+        print(tuned.describe() + took)
+
+
 def cmd_methods(_args) -> None:
     from dataclasses import fields
 
@@ -370,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile,
-                    "report": cmd_report, "methods": cmd_methods, "train": cmd_train, "data": cmd_data}
+                    "report": cmd_report, "methods": cmd_methods, "train": cmd_train, "data": cmd_data,
+                    "tune": cmd_tune}
         commands[args.command](args)
     except SpecvizError as e:
         print(f"error: {e}", file=sys.stderr)

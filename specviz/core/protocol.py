@@ -59,13 +59,46 @@ def check_range(name: str, value, low, high) -> None:
         raise SettingsError(f"{name} must be in [{low}, {high}], got {value}")
 
 
+@dataclass(frozen=True)
+class BudgetGrid:
+    """The draft budgets a method can take, for ``core.budget``: every (depth, size) on the grid, with
+    ``fixed`` settings held. ``size_key`` None: the size follows the depth (a chain, or beams)."""
+
+    depth_key: str
+    size_key: str | None = None
+    fixed: tuple[tuple[str, object], ...] = ()
+    depths: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+    def settings(self, depth: int, size: int | None = None) -> dict:
+        values = {**dict(self.fixed), self.depth_key: depth}
+        if self.size_key is not None:
+            values[self.size_key] = max(self.sizes) if size is None else size
+        return values
+
+    @property
+    def keys(self) -> set[str]:
+        return {self.depth_key, *([self.size_key] if self.size_key else []), *dict(self.fixed)}
+
+    def candidates(self) -> list[tuple[dict, int, int]]:
+        """(settings, depth, size) for every budget; a size below the depth could not reach it."""
+        if self.size_key is None:
+            return [(self.settings(d), d, 1 << 30) for d in self.depths]
+        return [(self.settings(d, n), d, n) for d in self.depths for n in self.sizes if n >= d]
+
+
 @dataclass
 class Settings:
     """Base for per-drafter settings: ``ranges`` maps a field to its inclusive (low, high);
-    ``PAPER`` holds the setting the method's paper uses, where it differs from the default."""
+    ``PAPER`` holds the setting the method's paper uses, where it differs from the default;
+    ``budget_grids`` the budgets the tuner may choose from (none: nothing to tune)."""
 
     ranges: ClassVar[dict[str, tuple]] = {}
     PAPER: ClassVar[dict] = {}
+
+    @classmethod
+    def budget_grids(cls, target) -> list[BudgetGrid]:
+        return []
 
     def __post_init__(self) -> None:
         for f in fields(self):

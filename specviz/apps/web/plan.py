@@ -3,7 +3,7 @@ and a request that cannot run at all is a ``SettingsError`` with the reason."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from drafters import METHODS
 from specviz.core.errors import SettingsError, SpecvizError
@@ -38,6 +38,7 @@ class Plan:
     sampling: Sampling
     max_new_tokens: int
     notes: list[str]
+    expected: dict[str, float] = field(default_factory=dict)  # expected speedup, for methods at their tuned budget
 
 
 def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature, top_p,
@@ -73,7 +74,10 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
             notes.append(f"{m}: {e}")
     if not chosen:
         raise SettingsError("; ".join(notes))
-    return Plan(ids, chosen, Sampling(temperature=temperature, top_p=top_p, seed=0), max_new_tokens, notes)
+    expected = {m: state.tuned[m].expected_speedup for m in chosen
+                if m in state.tuned and state.tuned[m].settings and chosen[m] is state.drafters.get(m)}
+    return Plan(ids, chosen, Sampling(temperature=temperature, top_p=top_p, seed=0), max_new_tokens, notes,
+                expected)
 
 
 @dataclass

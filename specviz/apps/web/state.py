@@ -19,6 +19,8 @@ from specviz.core.load import load_target
 from specviz.core.protocol import Drafter
 from specviz.core.target import TargetModel
 
+from ..tuning import Tuned, tune
+
 MAX_BUILT = 32  # drafters kept at non-default settings
 
 
@@ -31,6 +33,7 @@ class AppState:
     engine: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="engine"))
     stops: dict[str, threading.Event] = field(default_factory=dict)  # each session's running race
     built: dict[tuple, Drafter] = field(default_factory=dict)
+    tuned: dict[str, Tuned] = field(default_factory=dict)  # each method's budget for this machine
     cold_start_s: float = 0.0
 
     def on_engine(self, fn, *args, **kwargs):
@@ -46,11 +49,21 @@ class AppState:
             self.on_engine(steps.close)
 
     def defaults(self, name: str) -> dict:
-        """The settings ``name`` starts with here: its defaults for this target, then what was configured."""
-        return {**METHODS[name][1].defaults(self.target), **self.configured.get(name, {})}
+        """The settings ``name`` starts with here: its defaults for this target, the budget tuned for this
+        machine, then what was configured."""
+        tuned = self.tuned[name].settings if name in self.tuned else {}
+        return {**METHODS[name][1].defaults(self.target), **tuned, **self.configured.get(name, {})}
 
     def limits(self, name: str) -> dict[str, tuple]:
         return METHODS[name][1].limits(self.target)
+
+    def tune_budgets(self) -> None:
+        """Each method's budget for this machine (cached on disk after the first start)."""
+        for name in METHODS:
+            try:
+                self.tuned[name] = tune(self.target, name, self.configured.get(name, {}))
+            except SpecvizError:
+                pass  # load_drafters records why it cannot run
 
     def load_drafters(self) -> None:
         """Every method at its defaults; a method that cannot be built is listed with its reason."""
@@ -74,12 +87,15 @@ class AppState:
 
 
 def load_state(target: str | None = None, dtype: str = "auto", device: str | None = None,
-               assistant: str | None = None, warm_up=None) -> AppState:
-    """Load the target and every drafter on the engine thread, then run ``warm_up(state)`` there."""
+               assistant: str | None = None, warm_up=None, tune_budgets: bool = True) -> AppState:
+    """Load the target, tune each method's budget (``tuning``) and load every drafter on the engine
+    thread, then run ``warm_up(state)`` there."""
     start = time.perf_counter()
     engine = ThreadPoolExecutor(1, thread_name_prefix="engine")
     model = engine.submit(load_target, target, dtype, device).result()
     state = AppState(model, configured={"sps": {"assistant": assistant}} if assistant else {}, engine=engine)
+    if tune_budgets:
+        state.on_engine(state.tune_budgets)
     state.on_engine(state.load_drafters)
     if warm_up is not None:
         state.on_engine(warm_up, state)

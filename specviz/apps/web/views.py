@@ -54,8 +54,10 @@ class RaceView:
         clock = lane.clock if lane else 0.0
         m = summarize(records, clock)
         bits = [f"{m.new_tokens} tokens", f"τ {m.tau:.2f}", f"{m.tokens_per_s:.1f} tok/s"]
+        expected = self.plan.expected.get(label)
         if ar is not None and label != "ar" and ar.clock > 0 and ar.records:
-            bits.append(f"{speedup(m.new_tokens, clock, len(ar.output_ids), ar.clock):.2f}× AR")
+            bits.append(f"{speedup(m.new_tokens, clock, len(ar.output_ids), ar.clock):.2f}× AR"
+                        + ("" if expected is None else f" (expected {expected:.2f}×)"))
         done = lane is not None and lane.finished
         head = (f'<div class="sv-head" data-done="{int(done)}"><b>{label}</b> · {" · ".join(bits)}'
                 f'{self.badge(lane, ar)}{" · done" if done else ""}</div>')

@@ -1,0 +1,185 @@
+"""Each method's draft budget for this machine, target and dtype (``core.budget``), cached on disk.
+
+First use measures the verify-cost curve (``profile``) and AR's own per-step overhead, then warms each
+method up on two short fixed prompts at its largest budget (the acceptance every smaller budget would
+have had follows, ``core.budget``) and times one draft alone at every depth of its grid. The results
+are cached per machine, target, dtype, device and checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from drafters import METHODS, build_drafter
+from drafters.checkpoint import CARD, default_path
+from drafters.trained import TrainedDrafter
+from specviz.core.budget import Budget, Option, VerifyCurve, choose, estimate
+from specviz.core.engine import StepRecord, generate, output_ids, run
+from specviz.core.errors import SettingsError
+from specviz.core.load import cache_dir, cpu_flags
+from specviz.core.metrics import decode_steps
+from specviz.core.protocol import DraftRequest
+from specviz.core.target import TargetModel
+from specviz.core.timing import now
+from specviz.core.verify import Sampling
+
+from .bench import machine_description
+from .profile import profile
+
+WARMUP_PROMPTS = (
+    "Explain how a bicycle stays upright while it moves, step by step.",
+    "Write a Python function that tells whether a number is prime, then explain how it works.",
+)
+WARMUP_TOKENS = 32
+PRESETS = ("tuned", "paper", "fixed")  # the machine's budget, the paper's setting, the dataclass values
+
+
+@dataclass
+class Tuned:
+    method: str
+    settings: dict
+    expected_tau: float
+    expected_speedup: float
+    seconds: float  # time the tuning took (0 when read from the cache)
+
+    @property
+    def slower_than_ar(self) -> bool:
+        return self.expected_speedup < 1.0
+
+    def describe(self) -> str:
+        budget = ", ".join(f"{k} {v}" for k, v in self.settings.items()) or "no draft"
+        verdict = " (still slower than AR on this machine)" if self.slower_than_ar else ""
+        return (f"{self.method}: {budget}; expected τ {self.expected_tau:.2f}, "
+                f"{self.expected_speedup:.2f}x AR{verdict}")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def machine_key(target: TargetModel) -> str:
+    on_cpu = target.device.type == "cpu"
+    cpu = [cpu_model(), sorted(cpu_flags() & {"amx_bf16", "avx512_bf16", "avx2"})] if on_cpu else []
+    facts = [machine_description(), *cpu, target.name, str(target.dtype), str(target.device), target.num_parameters]
+    return hashlib.sha1(json.dumps(facts, default=str).encode()).hexdigest()[:12]
+
+
+def _cached(name: str, make, refresh: bool = False):
+    path = cache_dir() / "budgets" / f"{name}.json"
+    if path.exists() and not refresh:
+        try:
+            return json.loads(path.read_text()), True
+        except json.JSONDecodeError:
+            pass  # a torn write: measure again
+    value = make()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
+    return value, False
+
+
+def _prompts(target: TargetModel) -> list[list[int]]:
+    if target.tokenizer is None:  # a bare model: fixed pseudo-random ids
+        gen = torch.Generator().manual_seed(0)
+        return [torch.randint(0, target.vocab_size, (24,), generator=gen).tolist() for _ in WARMUP_PROMPTS]
+    return [target.encode_chat(p) for p in WARMUP_PROMPTS]
+
+
+def _warm_up(target: TargetModel, drafter) -> list[StepRecord]:
+    return [r for ids in _prompts(target) for r in run(target, drafter, ids, WARMUP_TOKENS).records]
+
+
+def _propose_ms(target: TargetModel, drafter, repeats: int = 5) -> float:
+    """Median ms of one draft, alone, after a few tokens of the first warm-up prompt."""
+    ids = _prompts(target)[0]
+    records = list(generate(target, drafter, ids, 4))
+    request = DraftRequest(ids + output_ids(records), 1 << 20, Sampling())
+    times = []
+    for _ in range(repeats):
+        start = now(target.device)
+        drafter.propose(request)
+        times.append(1000 * (now(target.device) - start))
+    return statistics.median(times)
+
+
+def _per_step(records: list[StepRecord], *phases: str) -> float:
+    steps = decode_steps(records)
+    return 1000 * sum(getattr(r.timings, p) for r in steps for p in phases) / max(len(steps), 1)
+
+
+def machine_costs(target: TargetModel, refresh: bool = False) -> tuple[VerifyCurve, float]:
+    """The verify-cost curve and AR's per-step overhead (ms), measured once per machine and target."""
+    def measure() -> dict:
+        curve = profile(target, context=min(256, target.max_length - 80), sizes=(1, 2, 4, 8, 16, 32, 64),
+                        repeats=5)["curve"]
+        ar = _warm_up(target, build_drafter("ar", target))
+        return {"curve": [[r["tokens"], r["ms"]] for r in curve],
+                "ar_other_ms": _per_step(ar, "draft", "accept", "other")}
+
+    value, _ = _cached(f"machine-{machine_key(target)}", measure, refresh)
+    tokens, ms = zip(*value["curve"])
+    return VerifyCurve(tuple(tokens), tuple(ms)), value["ar_other_ms"]
+
+
+def _checkpoint_id(name: str, settings: dict) -> str:
+    if not issubclass(METHODS[name][0], TrainedDrafter):
+        return ""
+    card = Path(settings.get("checkpoint") or default_path(name)) / CARD
+    return hashlib.sha1(card.read_bytes()).hexdigest()[:12] if card.exists() else "none"
+
+
+def tune(target: TargetModel, name: str, given: dict | None = None, refresh: bool = False) -> Tuned:
+    """The budget with the most expected tokens per second for ``name`` here (``given``: other settings)."""
+    given = dict(given or {})
+    grids = METHODS[name][1].budget_grids(target)
+    if not grids:
+        return Tuned(name, {}, 1.0, 1.0, 0.0)
+    curve, ar_other = machine_costs(target, refresh)
+    key = json.dumps([machine_key(target), name, sorted(given.items()), _checkpoint_id(name, given)], default=str)
+
+    def measure() -> dict:
+        start, options = time.perf_counter(), []
+        for grid in grids:
+            deepest = max(grid.depths)
+            records = _warm_up(target, build_drafter(name, target, **given, **grid.settings(deepest)))
+            propose = {d: _propose_ms(target, build_drafter(name, target, **given, **grid.settings(d)))
+                       for d in grid.depths}
+            observe = max(_per_step(records, "draft") - propose[deepest], 0.0)  # feeding what was accepted
+            other = _per_step(records, "accept", "other")
+            for settings, depth, size in grid.candidates():
+                options.append(Option(settings, estimate(records, depth, size), observe + propose[depth], other))
+        best: Budget = choose(options, curve, ar_other)
+        return {**asdict(best), "seconds": time.perf_counter() - start}
+
+    value, cached = _cached(f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}", measure, refresh)
+    return Tuned(name, value["settings"], value["tokens_per_step"], value["expected_speedup"],
+                 0.0 if cached else value["seconds"])
+
+
+def resolve(target: TargetModel, name: str, settings: dict) -> tuple[dict, Tuned | None]:
+    """The settings a method runs with. ``preset``: tuned (the default, unless a budget setting is given),
+    paper (the paper's setting) or fixed (the settings class's own values)."""
+    settings = dict(settings)
+    preset = settings.pop("preset", None)
+    settings_cls = METHODS[name][1]
+    if preset is not None and preset not in PRESETS:
+        raise SettingsError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    if preset == "paper":
+        return {**settings_cls.PAPER, **settings}, None
+    budget_keys = set().union(*(g.keys for g in settings_cls.budget_grids(target))) if preset != "fixed" else set()
+    if preset == "fixed" or not budget_keys or budget_keys & set(settings):
+        return settings, None
+    tuned = tune(target, name, settings)
+    return {**tuned.settings, **settings}, tuned

@@ -1,0 +1,116 @@
+"""Draft budgets chosen from the hardware: the verify-cost curve and the drafter's own acceptance.
+
+A step costs draft + verify(nodes + 1) + the rest, and brings 1 + accepted tokens. A warm-up run with
+the drafter's largest budget shows, at every step, the path the target accepted and the rank of every
+node (the order in which the drafter's budget rule keeps nodes). A smaller budget keeps the
+best-ranked nodes up to a depth, so it would have accepted the longest prefix of that path whose nodes
+it keeps: exact for nested budgets (EAGLE-2's reranked tree, Medusa's static tree, a chain's length),
+a lower bound otherwise (beam search). The chooser maximises expected tokens per second.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .engine import StepRecord
+from .metrics import decode_steps
+
+
+@dataclass(frozen=True)
+class VerifyCurve:
+    """ms of one target forward against the tokens it verifies, linear between measured points."""
+
+    tokens: tuple[int, ...]
+    ms: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) != len(self.ms) or list(self.tokens) != sorted(set(self.tokens)):
+            raise ValueError("a verify curve needs increasing token counts, one time each")
+
+    def __call__(self, n: float) -> float:
+        t, ms = self.tokens, self.ms
+        if len(t) == 1:
+            return ms[0]
+        i = min(max(bisect.bisect_left(t, n), 1), len(t) - 1)  # the segment [i-1, i]; extrapolates at the ends
+        slope = (ms[i] - ms[i - 1]) / (t[i] - t[i - 1])
+        return max(ms[i - 1] + slope * (n - t[i - 1]), 0.0)
+
+
+def node_ranks(tree) -> torch.Tensor:
+    """The order in which the tree's budget rule keeps each node: ``info["rank"]``, else node order."""
+    return tree.info.get("rank", torch.arange(len(tree)))
+
+
+def kept(tree, depth: int, size: int) -> torch.Tensor:
+    """[N] bool: the nodes a budget of ``size`` nodes up to ``depth`` keeps (the best-ranked ones)."""
+    ranks, shallow = node_ranks(tree), tree.depths <= depth
+    order = torch.where(shallow, ranks, torch.iinfo(torch.long).max).argsort()
+    keep = torch.zeros(len(tree), dtype=torch.bool)
+    keep[order[: min(size, int(shallow.sum()))]] = True
+    return keep
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a budget would have done over the warm-up steps, per step on average."""
+
+    tokens: float  # 1 + accepted
+    nodes: float  # draft nodes verified
+
+
+def estimate(records: Sequence[StepRecord], depth: int, size: int) -> Estimate:
+    """Replay the warm-up: the accepted prefix and tree size a budget (depth, size) would have had."""
+    steps = decode_steps(records)
+    if not steps:
+        return Estimate(1.0, 0.0)
+    tokens = nodes = 0.0
+    for r in steps:
+        keep = kept(r.tree, depth, size) if len(r.tree) else torch.zeros(0, dtype=torch.bool)
+        accepted = 0
+        for node in r.path:
+            if not keep[node - 1]:
+                break
+            accepted += 1
+        tokens += 1 + accepted
+        nodes += int(keep.sum())
+    return Estimate(tokens / len(steps), nodes / len(steps))
+
+
+@dataclass(frozen=True)
+class Option:
+    """One budget to consider: its settings, its estimate and its per-step costs besides the verify."""
+
+    settings: dict
+    estimate: Estimate
+    draft_ms: float
+    other_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    settings: dict
+    tokens_per_step: float
+    step_ms: float
+    expected_speedup: float  # expected tokens/s over AR's (one-token verifies plus AR's own overhead)
+
+    @property
+    def slower_than_ar(self) -> bool:
+        return self.expected_speedup < 1.0
+
+
+def step_ms(option: Option, curve: VerifyCurve) -> float:
+    return option.draft_ms + curve(option.estimate.nodes + 1) + option.other_ms
+
+
+def choose(options: Sequence[Option], curve: VerifyCurve, ar_other_ms: float = 0.0) -> Budget:
+    """The option with the most expected tokens per second, and its expected speedup over AR."""
+    if not options:
+        raise ValueError("no budget to choose from")
+    best = max(options, key=lambda o: o.estimate.tokens / step_ms(o, curve))
+    ms = step_ms(best, curve)
+    ar_ms = curve(1) + ar_other_ms
+    return Budget(best.settings, best.estimate.tokens, ms, best.estimate.tokens / ms * ar_ms)

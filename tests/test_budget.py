@@ -1,0 +1,140 @@
+"""Draft budgets: the chooser on synthetic cost curves and acceptance, the warm-up replay on hand-built
+trees, the nesting the replay relies on (a smaller budget keeps the best-ranked nodes of a larger one),
+and the tuner and presets end to end on a tiny target."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import train_tiny_drafter
+from drafters import build_drafter
+from specviz.core.budget import Estimate, Option, VerifyCurve, choose, estimate, kept
+from specviz.core.engine import StepRecord
+from specviz.core.protocol import Commit, DraftRequest
+from specviz.core.target import TargetModel
+from specviz.core.tree import DraftTree
+from specviz.core.verify import Sampling
+
+
+def test_verify_curve_interpolates_and_extrapolates():
+    curve = VerifyCurve((1, 2, 4, 8), (10.0, 10.0, 12.0, 20.0))
+    assert curve(1) == 10.0 and curve(3) == 11.0 and curve(6) == 16.0
+    assert curve(16) == 36.0  # the last segment's slope, 2 ms per token
+    with pytest.raises(ValueError):
+        VerifyCurve((2, 1), (1.0, 2.0))
+
+
+def test_the_chooser_picks_the_known_optimum():
+    """A chain with acceptance 0.8 per depth, 1 ms of drafting per depth, verifies flat up to 5 tokens
+    then 5 ms per token: tokens per ms are .164 .203 .227 .240 .184 for lengths 1-5, so length 4 wins."""
+    curve = VerifyCurve((1, 5, 6, 20), (10.0, 10.0, 15.0, 85.0))
+    options = [Option({"num_tokens": n}, Estimate(sum(0.8 ** k for k in range(n + 1)), n), draft_ms=n)
+               for n in range(1, 9)]
+    best = choose(options, curve)
+    assert best.settings == {"num_tokens": 4}
+    assert best.step_ms == pytest.approx(14.0) and best.tokens_per_step == pytest.approx(3.3616)
+    assert best.expected_speedup == pytest.approx(3.3616 / 14 * 10) and not best.slower_than_ar
+
+
+def test_a_budget_slower_than_ar_says_so():
+    curve = VerifyCurve((1, 2), (10.0, 30.0))  # every extra token triples the verify
+    options = [Option({"num_tokens": n}, Estimate(1 + 0.1 * n, n), draft_ms=2.0) for n in (1, 2)]
+    best = choose(options, curve, ar_other_ms=1.0)
+    assert best.slower_than_ar and best.expected_speedup < 1.0
+
+
+def record(tree: DraftTree, path: list[int], step: int = 1) -> StepRecord:
+    return StepRecord(step, tree, path, [0] * (len(path) + 1), 0, torch.zeros(len(tree)), 1.0)
+
+
+def test_the_replay_keeps_the_best_ranked_nodes_and_the_accepted_prefix():
+    # root -> 1 (rank 0) -> 3 (rank 2) -> 5 (rank 4); root -> 2 (rank 1) -> 4 (rank 3)
+    tree = DraftTree(torch.tensor([11, 12, 13, 14, 15]), torch.tensor([0, 0, 1, 2, 3]),
+                     info={"rank": torch.tensor([0, 1, 2, 3, 4])})
+    assert kept(tree, depth=2, size=3).tolist() == [True, True, True, False, False]
+    assert kept(tree, depth=1, size=8).tolist() == [True, True, False, False, False]
+    steps = [record(DraftTree.empty(), [], 0), record(tree, [1, 3, 5]), record(tree, [2, 4])]
+    assert estimate(steps, depth=3, size=5) == Estimate((4 + 3) / 2, 5)
+    assert estimate(steps, depth=3, size=3) == Estimate((3 + 2) / 2, 3)  # 5 and 4 cut
+    assert estimate(steps, depth=1, size=5) == Estimate((2 + 2) / 2, 2)
+    assert estimate(steps, depth=2, size=1) == Estimate((2 + 1) / 2, 1)  # only node 1 is left
+    chain = DraftTree.chain([7, 8, 9])
+    assert estimate([record(chain, [1, 2])], depth=1, size=1 << 30) == Estimate(2.0, 1.0)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama) -> TargetModel:
+    return TargetModel(tiny_llama(48, seed=2, num_layers=3))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(target):
+    folder = Path(tempfile.mkdtemp())
+    return {m: train_tiny_drafter(target, m, folder / m, epochs=1) for m in ("eagle2", "medusa")}
+
+
+@pytest.mark.parametrize("method, big, small", [
+    ("eagle2", dict(depth=5, top_k=4, total_tokens=24), [dict(depth=d, top_k=4, total_tokens=n)
+                                                          for d in (1, 3, 5) for n in (1, 4, 9)]),
+    ("medusa", dict(heads=4, top_k=4, total_tokens=24), [dict(heads=d, top_k=4, total_tokens=n)
+                                                          for d in (1, 2, 4) for n in (2, 5, 11)]),
+])
+def test_a_smaller_budget_drafts_the_best_ranked_nodes_of_a_larger_one(method, big, small, target, checkpoints):
+    """What the replay assumes: the smaller tree is the larger tree's best-ranked nodes up to its depth."""
+    prompt = [3, 14, 15, 9, 26, 5, 35, 8]
+    features = target.prefill(prompt, target.new_cache())[1]
+
+    def draft(settings) -> DraftTree:
+        drafter = build_drafter(method, target, checkpoint=str(checkpoints[method]), **settings)
+        drafter.reset()
+        drafter.observe(Commit(torch.tensor(prompt), features, 7))
+        return drafter.propose(DraftRequest(prompt + [7], 64, Sampling()))
+
+    large = draft(big)
+    paths = {tuple(large.tokens[n - 1].item() for n in path) for path in large.paths()}
+    assert len(paths) > 1
+    for settings in small:
+        tree = draft(settings)
+        depth, size = settings.get("depth", settings.get("heads")), settings["total_tokens"]
+        keep = kept(large, depth, size)
+        prefix = {}
+        for i in range(len(large)):  # each kept node as its token path from the root
+            node, path = i + 1, []
+            while node:
+                path.append(large.tokens[node - 1].item())
+                node = int(large.parents[node - 1])
+            prefix[i] = tuple(reversed(path))
+        expected = sorted(prefix[i] for i in range(len(large)) if keep[i])
+        got = []
+        for i in range(len(tree)):
+            node, path = i + 1, []
+            while node:
+                path.append(tree.tokens[node - 1].item())
+                node = int(tree.parents[node - 1])
+            got.append(tuple(reversed(path)))
+        assert sorted(got) == expected, settings
+
+
+def test_tune_chooses_from_the_grid_caches_and_presets_override(target, checkpoints, monkeypatch, tmp_path):
+    from specviz.apps import tuning
+
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
+    given = {"checkpoint": str(checkpoints["eagle2"])}
+    first = tuning.tune(target, "eagle2", given)
+    assert first.settings["top_k"] == 8 and 1 <= first.settings["depth"] <= 8
+    assert first.settings["total_tokens"] >= first.settings["depth"] and first.seconds > 0
+    assert first.expected_tau >= 1.0 and first.expected_speedup > 0
+    again = tuning.tune(target, "eagle2", given)
+    assert again.seconds == 0 and again.settings == first.settings  # from the cache
+    settings, tuned = tuning.resolve(target, "eagle2", given)
+    assert tuned is not None and settings == {**first.settings, **given}
+    assert tuning.resolve(target, "eagle2", {**given, "preset": "paper"}) == (
+        {"depth": 6, "top_k": 10, "total_tokens": 60, **given}, None)
+    assert tuning.resolve(target, "eagle2", {**given, "depth": 2}) == ({**given, "depth": 2}, None)  # given: kept
+    assert tuning.resolve(target, "ar", {}) == ({}, None)  # nothing to tune
+    with pytest.raises(Exception, match="preset must be one of"):
+        tuning.resolve(target, "eagle2", {"preset": "fastest"})
