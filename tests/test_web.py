@@ -102,9 +102,28 @@ def test_race_view_notes_methods_that_did_not_finish(state):
     assert re.search(r"Stopped: ar did not finish", view.message())
 
 
+def test_the_badge_tells_identical_near_tie_and_clear_apart(state):
+    import torch
+
+    from specviz.core.engine import StepRecord
+    from specviz.core.tree import DraftTree
+
+    plan = plan_race(state, "Count.", ["ar", "pld"], 8, 0.0, 1.0, None)
+    view = RaceView(plan, state.target.decode, show_rejected=False, dtype="bfloat16")  # tolerance 2.0
+    prefill = StepRecord(0, DraftTree.empty(), [], [5], 5, torch.zeros(0), 1.0, margins=[4.0])
+    step = StepRecord(1, DraftTree.empty(), [], [6, 7], 7, torch.zeros(0), 1.0, margins=[0.5, 6.0])
+    ar = SimpleNamespace(output_ids=[5, 6, 7], records=[prefill, step], finished=True)
+    lane = lambda ids: SimpleNamespace(output_ids=ids, finished=True)  # noqa: E731
+    assert "identical to AR" in view.badge(lane([5, 6, 7]), ar)
+    assert "identical up to floating point" in view.badge(lane([5, 9, 7]), ar)  # AR's gap there: 0.5
+    assert "differs from AR at token 3" in view.badge(lane([5, 6, 9]), ar)  # AR's gap there: 6.0
+    assert "≈" not in RaceView(plan, state.target.decode, False).badge(lane([5, 9, 7]), ar)  # fp32: clear
+
+
 def test_learn_tab_names_papers_not_internal_labels(state):
     text = learn_text(state)
     assert "seed" not in text.lower() and "HASS" in text and "Unavailable here" in text
+    assert "near-tie" in text and "Budgets" in text
     assert set(METHODS) <= set(teaching.NOTES)
 
 

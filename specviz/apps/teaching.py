@@ -30,6 +30,27 @@ READING = (
 )
 
 
+PRECISION = (
+    "**Why bf16 can leave AR's tokens (and fp32 does not).** A lossless method keeps exactly the tokens the "
+    "target itself picks, so in fp32 every column equals AR, token for token. In bf16 the target's body rounds "
+    "every sum to 8 bits of mantissa, and a forward over 16 tree tokens adds its numbers in another order than "
+    "a forward over one token: the same position gets logits that differ by up to about 0.9 on this model "
+    "(0.00006 in fp32). Where the target's two best tokens are that close (a near-tie), the two forwards may "
+    "pick different ones and the texts part ways, both being the target's greedy choice up to rounding. The "
+    "final norm and the LM head run in fp32 here, so the logits themselves no longer tie on bf16's coarse "
+    "steps. The badge says which happened: ✅ identical, ≈ identical up to floating point (AR's top-2 gap was "
+    "below the precision's tolerance where they parted), or ❌ differs at a clear decision, which would be a bug."
+)
+
+BUDGETS = (
+    "**Budgets.** Every method starts with the draft budget (tree depth and size, or chain length) measured to "
+    "be fastest on this machine: the target's verify cost for 1 to 64 tokens, and the acceptance the method "
+    "showed in a short warm-up, give the expected tokens per second of every budget (`python -m specviz tune`). "
+    "The column shows the speedup that budget was expected to reach next to the measured one. A tree that "
+    "costs little to verify (bf16 on a CPU with AVX-512 BF16 or AMX, or a GPU) affords more nodes."
+)
+
+
 @dataclass(frozen=True)
 class Note:
     source: str  # what the method drafts from

@@ -151,7 +151,7 @@ def benchmark_table(result: dict):
 
 def learn_text(state: AppState) -> str:
     parts = ["Papers: " + " · ".join(f"[{k}]({v})" if v else k for k, v in teaching.PAPERS.items()),
-             teaching.READING]
+             teaching.READING, teaching.PRECISION, teaching.BUDGETS]
     for name, drafter in state.drafters.items():
         params = drafter.num_parameters()
         parts.append(teaching.note(name, drafter.title, params, extra_memory_pct(params, state.target.num_parameters)))
