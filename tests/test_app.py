@@ -121,6 +121,42 @@ def test_ten_sessions_queue_and_all_finish(app):
     assert all(r["methods"]["pld"]["identical_to_ar"] for r in results)
 
 
+@pytest.mark.parametrize("args, expect", [
+    (("Count.", ["ar", "pld"], 6, 0.0, 1.0, {"pld": {"checkpoint": "/etc/passwd"}}), "not a setting this page takes"),
+    (("Count.", ["ar", "pld"], 6, 0.0, 1.0, {"pld": {"num_tokens": "many"}}), "is not a number"),
+    (("Count.", ["ar"], 6, 1e-42, 1.0, None), "below 0.001: used 0"),
+    (("Count.", ["ar", "pld"], 6, 0.7, 1.0, None, "greedy"), "would ignore temperature"),
+    (("Count.", ["ar"] * 13, 6), "at most 12 methods"),
+])
+def test_abuse_gets_a_message_and_the_server_goes_on(client, args, expect):
+    try:
+        out = client.predict(*args, api_name="/compare")
+        message = " | ".join(out["notes"])
+    except Exception as e:  # noqa: BLE001 - gradio_client raises the server's gr.Error as its own AppError
+        message = str(e)
+    assert expect in message
+    after = client.predict("Say hi.", ["ar"], 3, api_name="/compare")  # and the next request is served
+    assert after["methods"]["ar"]["metrics"]["new_tokens"] == 3
+
+
+def test_a_prompt_that_is_not_utf8_gets_a_message(app, client):
+    """Raw JSON can carry a lone surrogate (what bytes that were not UTF-8 become); gradio_client cannot send it."""
+    import httpx
+
+    body = '{"data": ["caf\\udce9", ["ar"], 6, 0.0, 1.0, null, "auto"]}'
+    base = app.url.rstrip("/") + "/gradio_api/call/compare"
+    event = httpx.post(base, content=body, headers={"Content-Type": "application/json"}).json()["event_id"]
+    stream = httpx.get(f"{base}/{event}", timeout=60).text
+    assert "event: error" in stream and "not valid UTF-8" in stream
+    after = client.predict("Say hi.", ["ar"], 3, api_name="/compare")
+    assert after["methods"]["ar"]["metrics"]["new_tokens"] == 3
+
+
+def test_the_benchmark_tab_takes_no_paths(client):
+    with pytest.raises(Exception, match="questions must be one of"):
+        client.predict("/etc/passwd", "first N", 1, ["ar"], 16, api_name="/benchmark")
+
+
 def test_benchmark_streams_a_table_per_prompt(client):
     job = client.submit("mt-bench", "first N", 2, ["ar", "pld"], 16, api_name="/benchmark")
     outputs = [o for o in job]

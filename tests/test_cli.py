@@ -194,6 +194,10 @@ def test_profile_curve(tiny_folder, tmp_path, capsys):
         (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
         (["generate", "--prompt", "hi", "--method", "pld:num_tokens=0"], "num_tokens"),
         (["bench", "--questions", "/no/such/file.jsonl"], "no question file"),
+        (["generate", "--prompt", "caf\udce9"], "not valid UTF-8"),  # a Latin-1 byte in a shell argument
+        (["generate", "--prompt", "hi", "--temperature", "1e-42"], "temperature must be 0 (greedy) or in"),
+        (["generate", "--prompt", "hi", "--temperature", "0.7", "--rule", "greedy"], "would ignore temperature"),
+        (["generate", "--prompt", "hi", "--method", "pld:preset=fastest"], "preset must be one of"),
     ],
 )
 def test_bad_input_is_a_message_not_a_traceback(tiny_folder, argv, message, capsys):

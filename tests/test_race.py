@@ -36,13 +36,13 @@ class Lagging(Drafter):
 class Failing(Drafter):
     name = "failing"
 
-    def __init__(self, after: int):
-        self.after, self.calls = after, 0
+    def __init__(self, after: int, error: Exception = SettingsError("drafter broke")):
+        self.after, self.calls, self.error = after, 0, error
 
     def propose(self, request):
         self.calls += 1
         if self.calls > self.after:
-            raise SettingsError("drafter broke")
+            raise self.error
         return DraftTree.empty()
 
 
@@ -84,6 +84,14 @@ def test_a_failing_lane_stops_alone(target):
     for lane in race(target, drafters, PROMPT, 20):
         lanes[lane.label] = lane
     assert lanes["failing"].error == "drafter broke" and lanes["failing"].finished
+    assert len(lanes["ar"].output_ids) == 20 and lanes["ar"].error is None
+
+
+def test_any_exception_in_a_lane_stops_only_that_lane(target):
+    """A bug (not a SpecvizError) in one drafter ends its lane with the exception named; the race goes on."""
+    drafters = {"ar": build_drafter("ar", target), "buggy": Failing(after=2, error=RuntimeError("index out of range"))}
+    lanes = {lane.label: lane for lane in race(target, drafters, PROMPT, 20)}
+    assert lanes["buggy"].error == "RuntimeError: index out of range" and lanes["buggy"].finished
     assert len(lanes["ar"].output_ids) == 20 and lanes["ar"].error is None
 
 

@@ -18,7 +18,7 @@ from specviz.apps.web.layout import build_demo
 from specviz.apps.web.plan import plan_race, setting_specs, slider_settings
 from specviz.apps.web.state import AppState, load_state
 from specviz.apps.web.views import RaceView, learn_text, tree_choices, warm_up
-from specviz.core.errors import SettingsError
+from specviz.core.errors import SettingsError, SpecvizError
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,9 @@ def test_defaults_and_limits_come_from_the_settings_classes(state):
     assert state.defaults("pld")["num_tokens"] == tuned["num_tokens"]
     assert plan_race(state, "Count.", ["ar", "pld"], 8, 0.0, 1.0, None).expected["pld"] == pytest.approx(
         state.tuned["pld"].expected_speedup)
-    other = state.drafter("pld", {"num_tokens": 3})
-    assert other is not state.drafters["pld"] and state.drafter("pld", {"num_tokens": 3}) is other
+    n = 2 if tuned["num_tokens"] != 2 else 3
+    other = state.drafter("pld", {"num_tokens": n})
+    assert other is not state.drafters["pld"] and state.drafter("pld", {"num_tokens": n}) is other
 
 
 def test_plan_clamps_and_notes(state):
@@ -85,7 +86,7 @@ def test_compare_is_lossless_and_serialisable(handlers):
 
 def test_race_streams_columns_then_plots_and_runs(handlers, state):
     specs = handlers.specs
-    updates = list(handlers.race(SimpleNamespace(session_hash="s1"), "Hi there", ["ar", "pld"], 10, 0, 1, True,
+    updates = list(handlers.race(SimpleNamespace(session_hash="s1"), "Hi there", ["ar", "pld"], 10, 0, 1, True, "auto",
                                  *[s.default for s in specs]))
     columns, runs = updates[-1][: len(METHODS)], updates[-1][-1]
     ar, pld = columns[list(METHODS).index("ar")], columns[list(METHODS).index("pld")]
@@ -118,6 +119,57 @@ def test_the_badge_tells_identical_near_tie_and_clear_apart(state):
     assert "identical up to floating point" in view.badge(lane([5, 9, 7]), ar)  # AR's gap there: 0.5
     assert "differs from AR at token 3" in view.badge(lane([5, 6, 9]), ar)  # AR's gap there: 6.0
     assert "≈" not in RaceView(plan, state.target.decode, False).badge(lane([5, 9, 7]), ar)  # fp32: clear
+
+
+@pytest.mark.parametrize("settings, note", [
+    ({"pld": {"checkpoint": "/etc/passwd"}}, "pld checkpoint: not a setting this page takes"),
+    ({"pld": {"assistant": "some/hub-model"}}, "pld assistant: not a setting this page takes"),
+    ({"pld": {"num_tokens": "5"}}, "pld num_tokens: '5' is not a number"),
+    ({"pld": {"num_tokens": [1, 2]}}, "pld num_tokens: '[1, 2]' is not a number"),
+    ({"pld": {"num_tokens": float("inf")}}, "pld num_tokens clamped to 64"),
+    ({"pld": "fast"}, "pld settings must be a mapping"),
+])
+def test_the_api_takes_numbers_only_in_settings(state, settings, note):
+    plan = plan_race(state, "Count.", ["ar", "pld"], 8, 0.0, 1.0, settings)
+    assert any(n.startswith(note) for n in plan.notes), plan.notes
+    assert plan.drafters["pld"].settings.num_tokens in (64, state.defaults("pld")["num_tokens"])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=0.7, rule="greedy"), "would ignore temperature"),
+    (dict(rule="fastest"), "unknown acceptance rule"),
+    (dict(prompt="caf\udce9"), "not valid UTF-8"),
+    (dict(methods=["ar"] * 13), "at most 12 methods"),
+    (dict(methods="ar; rm -rf /"), "unknown method"),
+])
+def test_requests_that_cannot_run_are_clear_errors(state, kwargs, match):
+    request = dict(prompt="Count.", methods=["ar"], max_new_tokens=8, temperature=0.0, top_p=1.0, settings=None)
+    with pytest.raises(SpecvizError, match=match):
+        plan_race(state, **{**request, **kwargs})
+
+
+def test_tiny_temperatures_and_lossy_rules_are_noted(state):
+    plan = plan_race(state, "Count.", ["ar"], 8, 1e-42, 1.0, None)
+    assert plan.sampling.greedy and any("below 0.001: used 0" in n for n in plan.notes)
+    lossy = plan_race(state, "Count.", ["ar", "pld"], 8, 0.7, 1.0, None, rule="typical")
+    assert any("lossy" in n for n in lossy.notes)
+    view = RaceView(lossy, state.target.decode, False)
+    assert "lossy (typical acceptance)" in view.badge(SimpleNamespace(output_ids=[1]), SimpleNamespace())
+
+
+def test_a_malformed_card_makes_its_method_unavailable_not_the_app(state, tmp_path):
+    import json
+
+    from conftest import train_tiny_drafter
+
+    folder = train_tiny_drafter(state.target, "medusa", tmp_path / "medusa", epochs=1)
+    card = json.loads((folder / "card.json").read_text())
+    card["history"] = "not a list"  # a hand-edited card: medusa reads its rank accuracies from here
+    (folder / "card.json").write_text(json.dumps(card))
+    broken = AppState(state.target, configured={"medusa": {"checkpoint": str(folder)}}, engine=state.engine)
+    broken.load_drafters()
+    assert "medusa" not in broken.drafters and "could not be built" in broken.unavailable["medusa"]
+    assert "ar" in broken.drafters
 
 
 def test_learn_tab_names_papers_not_internal_labels(state):

@@ -37,7 +37,7 @@ def race(target: TargetModel, drafters: dict[str, Drafter], prompt_ids: list[int
          sampling: Sampling | None = None) -> Iterator[Lane]:
     """Advance the lane with the least measured time, one step at a time; yield it after each step.
 
-    A method that fails is stopped with its error on the lane; the others go on.
+    A method that fails, with any exception, is stopped with its error on the lane; the others go on.
     """
     lanes = [Lane(label, d) for label, d in drafters.items()]
     for lane in lanes:
@@ -50,8 +50,9 @@ def race(target: TargetModel, drafters: dict[str, Drafter], prompt_ids: list[int
         except StopIteration:
             lane.finished = True
             continue
-        except SpecvizError as e:
-            lane.finished, lane.error = True, str(e)
+        except Exception as e:  # noqa: BLE001 - one method's failure, whatever it is, ends only its own lane
+            lane.finished = True
+            lane.error = str(e) if isinstance(e, SpecvizError) else f"{type(e).__name__}: {e}"
             yield lane
             continue
         lane.clock += time.perf_counter() - start

@@ -96,6 +96,10 @@ class TargetModel:
         """Token ids of a single user turn, through the chat template when the tokenizer has one."""
         if self.tokenizer is None:
             raise TargetError("this target has no tokenizer; pass token ids instead of text")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8 (a shell argument, a raw API body)
+            raise TargetError("the prompt is not valid UTF-8 text") from None
         if getattr(self.tokenizer, "chat_template", None):
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True

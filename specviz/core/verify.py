@@ -21,6 +21,7 @@ from .errors import SettingsError
 from .tree import DraftTree
 
 RULES = ("greedy", "rejection", "typical")
+MIN_TEMPERATURE = 1e-3  # below it, logits / T overflow: use 0 (greedy)
 LOSSY_RULES = {"typical"}
 
 
@@ -34,12 +35,16 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.temperature <= 100.0):
-            raise SettingsError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
+            raise SettingsError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise SettingsError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.rule not in RULES + ("auto",):
             raise SettingsError(f"unknown acceptance rule {self.rule!r}; choose from {', '.join(RULES)}")
+        if self.rule == "greedy" and self.temperature > 0:
+            raise SettingsError(f"the greedy rule takes the argmax and would ignore temperature {self.temperature}; "
+                                "use temperature 0, or the rejection (lossless) or typical (lossy) rule")
 
     @property
     def greedy(self) -> bool:

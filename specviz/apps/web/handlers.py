@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 
 import gradio as gr
 
@@ -15,13 +16,15 @@ from specviz.core.metrics import identical, summarize
 
 from ..background import in_batches
 from ..bench import bench_steps
-from ..questions import load_questions
+from ..questions import BUILTIN, load_questions
 from ..race import race
 from . import views
 from .plan import MAX_NEW_TOKENS, Plan, SettingSpec, clamp, plan_race, slider_settings
 from .state import AppState
 
 SHOW_EVERY_S = 0.5  # the columns are redrawn at most this often while streaming
+COMPARE_BUDGET_S = float(os.environ.get("SPECVIZ_COMPARE_BUDGET_S", 120))  # engine time per /compare call
+BENCH_BUDGET_S = float(os.environ.get("SPECVIZ_BENCH_BUDGET_S", 600))  # engine time per Benchmark-tab run
 
 
 def _session(request: gr.Request | None) -> str:
@@ -34,17 +37,17 @@ class Handlers:
     def __init__(self, state: AppState, specs: list[SettingSpec]):
         self.state, self.specs = state, specs
 
-    def plan(self, prompt, methods, max_new_tokens, temperature, top_p, settings) -> Plan:
+    def plan(self, prompt, methods, max_new_tokens, temperature, top_p, settings, rule="auto") -> Plan:
         try:
-            return plan_race(self.state, prompt, methods, max_new_tokens, temperature, top_p, settings)
+            return plan_race(self.state, prompt, methods, max_new_tokens, temperature, top_p, settings, rule)
         except SpecvizError as e:
             raise gr.Error(str(e)) from None
 
     def race(self, request: gr.Request, prompt, methods, max_new_tokens, temperature, top_p, show_rejected,
-             *setting_values):
+             rule="auto", *setting_values):
         """The Race tab: stream every selected method's column while the race runs at full speed."""
         plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p,
-                         slider_settings(self.specs, setting_values))
+                         slider_settings(self.specs, setting_values), rule)
         view = views.RaceView(plan, self.state.target.decode, bool(show_rejected),
                               str(self.state.target.dtype).replace("torch.", ""))
         session, stop = _session(request), threading.Event()
@@ -65,15 +68,27 @@ class Handlers:
             stop.set()
 
     def compare(self, prompt: str, methods: list[str], max_new_tokens: float = 128, temperature: float = 0.0,
-                top_p: float = 1.0, settings: dict | None = None) -> dict:
+                top_p: float = 1.0, settings: dict | None = None, rule: str = "auto") -> dict:
         """The public API: per method the text, each token's origin and step, and the run's metrics.
 
-        ``settings`` maps a method to its settings, e.g. {"eagle2": {"depth": 4}}; values beyond their
-        range are clamped and every change is listed under ``notes``."""
-        plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p, settings)
+        ``settings`` maps a method to its numeric settings, e.g. {"eagle2": {"depth": 4}}; values beyond
+        their range are clamped and every change is listed under ``notes``. ``rule``: auto, greedy,
+        rejection (lossless sampling) or typical (lossy). A call gets at most ``COMPARE_BUDGET_S`` of
+        engine time; the methods stop there and say so."""
+        plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p, settings, rule)
         target = self.state.target
         steps = race(target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling)
-        lanes = self.state.on_engine(lambda: {lane.label: lane for lane in steps})  # the whole race in one call
+
+        def run_all() -> dict:  # the whole race in one engine call, within the budget
+            lanes, deadline = {}, time.perf_counter() + COMPARE_BUDGET_S
+            for lane in steps:
+                lanes[lane.label] = lane
+                if time.perf_counter() > deadline:
+                    plan.notes.append(f"stopped at this API's budget of {COMPARE_BUDGET_S:.0f} s of engine time")
+                    break
+            return lanes
+
+        lanes = self.state.on_engine(run_all)
         result = {"notes": plan.notes, "methods": {}}
         for label, lane in lanes.items():
             tokens = [{"token": t, "text": target.decode([t]), "step": r.step,
@@ -91,6 +106,10 @@ class Handlers:
                   progress=gr.Progress(track_tqdm=True)):
         """The engine's bench on a subset, streamed prompt by prompt: τ and speedup per method × category."""
         state, notes = self.state, []
+        if question_set not in BUILTIN:  # the page offers the built-in sets only: no paths
+            raise gr.Error(f"questions must be one of {', '.join(BUILTIN)}")
+        if not isinstance(methods, (list, tuple)) or not all(isinstance(m, str) for m in methods):
+            raise gr.Error("methods must be a list of method names")
         picked = [m for m in (methods or []) if m in state.drafters]
         notes += [f"{m} is unavailable: {state.unavailable[m]}" for m in (methods or []) if m in state.unavailable]
         if not picked:
@@ -103,8 +122,12 @@ class Handlers:
             else:
                 questions = load_questions(question_set, limit=count)
             steps = state.on_engine_thread(bench_steps(state.target, picked, questions, max_new_tokens=max_new_tokens))
-            folder = tempfile.mkdtemp()
+            folder, deadline = tempfile.mkdtemp(), time.perf_counter() + BENCH_BUDGET_S
             for result in steps:
+                if time.perf_counter() > deadline and result["interrupted"]:
+                    notes.append(f"stopped at this page's budget of {BENCH_BUDGET_S / 60:.0f} min; "
+                                 "`python -m specviz bench` runs any number of questions")
+                    steps.close()
                 table = views.benchmark_table(result)
                 path = os.path.join(folder, f"specviz-{question_set}-{len(result['per_prompt'])}q.csv")
                 table.to_csv(path, index=False)

@@ -18,6 +18,9 @@ from .space import GPU
 from .state import AppState
 
 DEFAULT_METHODS = ("ar", "pld", "eagle2", "redrafter")
+RULE_CHOICES = [("auto: greedy at T=0, else rejection sampling (lossless)", "auto"),
+                ("rejection sampling (lossless)", "rejection"), ("typical acceptance (LOSSY)", "typical")]
+QUEUE_SIZE = int(os.environ.get("SPECVIZ_QUEUE_SIZE", 16))  # waiting requests beyond this are turned away
 
 
 def examples() -> list[str]:
@@ -49,6 +52,8 @@ def build_demo(state: AppState) -> gr.Blocks:
                     with gr.Row():
                         temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
                         top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
+                    rule = gr.Dropdown(RULE_CHOICES, value="auto", label="Acceptance rule", elem_id="rule",
+                                       info="typical acceptance is lossy: its outputs need not follow the target")
                     show_rejected = gr.Checkbox(value=True, label="Show rejected drafts (struck through)")
             setting_inputs = []
             with gr.Row():
@@ -73,7 +78,7 @@ def build_demo(state: AppState) -> gr.Blocks:
                 tree_method = gr.Dropdown([], label="Draft tree of", scale=1, elem_id="tree-method")
                 tree_step = gr.Slider(1, 2, value=1, step=1, label="Step", scale=3)
             tree_plot = gr.Plot(label="draft tree", elem_id="plot-tree")
-            run_btn.click(GPU(handlers.race), [prompt, methods, max_new, temperature, top_p, show_rejected,
+            run_btn.click(GPU(handlers.race), [prompt, methods, max_new, temperature, top_p, show_rejected, rule,
                                                *setting_inputs],
                           [*columns, alpha_plot, length_plot, latency_plot, message, runs], api_name="race",
                           concurrency_id="engine", show_progress="hidden")
@@ -120,7 +125,7 @@ def calm_queue(queue) -> None:
 
 
 def launch(demo: gr.Blocks) -> None:
-    demo.queue(default_concurrency_limit=1)
+    demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
     calm_queue(demo._queue)
     demo.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                 server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), css=render.CSS)

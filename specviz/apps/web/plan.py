@@ -3,29 +3,29 @@ and a request that cannot run at all is a ``SettingsError`` with the reason."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from drafters import METHODS
 from specviz.core.errors import SettingsError, SpecvizError
 from specviz.core.protocol import Drafter
-from specviz.core.verify import Sampling
+from specviz.core.verify import MIN_TEMPERATURE, RULES, Sampling
 
 from .state import AppState
 
 MAX_NEW_TOKENS = 512
+MAX_METHODS = 12
 SLIDER_MAX = 64  # the highest value a settings slider offers
 
 
 def clamp(label: str, value, low, high, default, notes: list[str], cast=int):
-    """``value`` within [low, high]; a missing or unreadable value is the default. Notes every change."""
-    try:
-        number = cast(value)
-        if number != number:  # NaN
-            raise ValueError
-    except (TypeError, ValueError):
-        notes.append(f"{label}: {value!r} is not a number; used {default}")
+    """``value`` within [low, high]; a missing or unreadable value (a string, a list, NaN) is the default.
+    Notes every change."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:  # NaN != NaN
+        notes.append(f"{label}: {str(value)[:40]!r} is not a number; used {default}")
         return default
-    kept = min(max(number, low), high)
+    number = cast(value) if math.isfinite(value) else value  # ±inf is clamped to a bound
+    kept = cast(min(max(number, low), high))
     if kept != number:
         notes.append(f"{label} clamped to {kept} (allowed {low} to {high})")
     return kept
@@ -42,12 +42,20 @@ class Plan:
 
 
 def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature, top_p,
-              settings: dict | None) -> Plan:
+              settings: dict | None, rule: str = "auto") -> Plan:
     """Check and clamp a request; raise SettingsError when nothing can run, else note what changed."""
     notes: list[str] = []
     if not isinstance(prompt, str) or not prompt.strip():
         raise SettingsError("The prompt is empty: type a question or pick an example.")
-    methods = list(dict.fromkeys(methods or []))
+    if isinstance(methods, str):
+        methods = [methods]
+    if not isinstance(methods, (list, tuple)) or not all(isinstance(m, str) for m in methods):
+        raise SettingsError("methods must be a list of method names")
+    if len(methods) > MAX_METHODS:
+        raise SettingsError(f"at most {MAX_METHODS} methods per race, got {len(methods)}")
+    if rule not in (*RULES, "auto"):
+        raise SettingsError(f"unknown acceptance rule {str(rule)[:40]!r}; choose auto, {', '.join(RULES)}")
+    methods = list(dict.fromkeys(methods))
     for m in methods:
         if m not in METHODS:
             notes.append(f"{m}: unknown method (choose from {', '.join(METHODS)})")
@@ -57,6 +65,9 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
     if not methods:
         raise SettingsError("Pick at least one available method. " + "; ".join(notes))
     temperature = clamp("temperature", temperature, 0.0, 2.0, 0.0, notes, float)
+    if 0 < temperature < MIN_TEMPERATURE:
+        notes.append(f"temperature {temperature:g} is below {MIN_TEMPERATURE}: used 0 (greedy)")
+        temperature = 0.0
     top_p = clamp("top-p", top_p, 0.05, 1.0, 1.0, notes, float)
     ids = state.target.encode_chat(prompt)
     room = state.target.max_length - len(ids)
@@ -67,7 +78,14 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
     for m in methods:
         limits = state.limits(m)
         given = (settings or {}).get(m) or {}
-        clamped = {k: clamp(f"{m} {k}", v, *limits[k], v, notes) if k in limits else v for k, v in given.items()}
+        if not isinstance(given, dict):
+            notes.append(f"{m} settings must be a mapping of setting to number; ignored {str(given)[:40]!r}")
+            given = {}
+        for k in [k for k in given if k not in limits]:  # paths, model ids, dtypes: fixed when the server starts
+            notes.append(f"{m} {k}: not a setting this page takes (it takes {', '.join(limits) or 'none'}); ignored")
+        defaults = state.defaults(m)
+        clamped = {k: clamp(f"{m} {k}", v, *limits[k], defaults.get(k, limits[k][0]), notes)
+                   for k, v in given.items() if k in limits}
         try:
             chosen[m] = state.drafter(m, clamped)
         except SpecvizError as e:
@@ -76,8 +94,11 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
         raise SettingsError("; ".join(notes))
     expected = {m: state.tuned[m].expected_speedup for m in chosen
                 if m in state.tuned and state.tuned[m].settings and chosen[m] is state.drafters.get(m)}
-    return Plan(ids, chosen, Sampling(temperature=temperature, top_p=top_p, seed=0), max_new_tokens, notes,
-                expected)
+    sampling = Sampling(temperature=temperature, top_p=top_p, rule=rule, seed=0)  # greedy rule + T > 0: refused
+    if not sampling.lossless:
+        notes.append(f"the {sampling.resolved_rule} acceptance rule is lossy: outputs need not follow the target's "
+                     "distribution")
+    return Plan(ids, chosen, sampling, max_new_tokens, notes, expected)
 
 
 @dataclass

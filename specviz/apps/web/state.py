@@ -62,8 +62,8 @@ class AppState:
         for name in METHODS:
             try:
                 self.tuned[name] = tune(self.target, name, self.configured.get(name, {}))
-            except SpecvizError:
-                pass  # load_drafters records why it cannot run
+            except Exception:  # noqa: BLE001 - load_drafters records why it cannot run
+                pass
 
     def load_drafters(self) -> None:
         """Every method at its defaults; a method that cannot be built is listed with its reason."""
@@ -72,6 +72,8 @@ class AppState:
                 self.drafters[name] = build_drafter(name, self.target, **self.defaults(name))
             except SpecvizError as e:
                 self.unavailable[name] = str(e)
+            except Exception as e:  # noqa: BLE001 - a malformed checkpoint or card must not stop the app
+                self.unavailable[name] = f"could not be built ({type(e).__name__}: {e})"
 
     def drafter(self, name: str, settings: dict) -> Drafter:
         """``name`` with ``settings``: the preloaded drafter at its defaults, else one built once and kept."""

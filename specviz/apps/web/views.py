@@ -67,6 +67,9 @@ class RaceView:
     def badge(self, lane: Lane | None, ar: Lane | None) -> str:
         if lane is None or ar is None or lane is ar:
             return ""
+        if not self.plan.sampling.lossless:
+            return (' · <span class="sv-differs" title="typical acceptance keeps tokens the target would not '
+                    'always pick">lossy (typical acceptance)</span>')
         if not self.plan.sampling.greedy:
             return ' · <span title="sampling: same distribution as AR, different tokens">sampled</span>'
         final = lane.finished and ar.finished
