@@ -20,7 +20,6 @@ from specviz.core.metrics import (
     speedup,
     summarize,
     tau,
-    token_margins,
 )
 from specviz.core.timing import PhaseTimer, Timings
 from specviz.core.tree import DraftTree
