@@ -1,7 +1,8 @@
 """specviz: watch speculative-decoding drafters race side by side (Gradio).
 
-    python app.py [--target HF_ID_OR_FOLDER] [--assistant HF_ID_OR_FOLDER] [--device cuda] [--dtype bfloat16]
-    # or SPECVIZ_TARGET / _ASSISTANT / _DEVICE / _DTYPE; GRADIO_SERVER_NAME / GRADIO_SERVER_PORT
+    python app.py [--target HF_ID_OR_FOLDER] [--assistant HF_ID_OR_FOLDER] [--drafters DIR] [--device cuda]
+                  [--dtype bfloat16]
+    # or SPECVIZ_TARGET / _ASSISTANT / _DRAFTERS / _DEVICE / _DTYPE; GRADIO_SERVER_NAME / GRADIO_SERVER_PORT
 
 The target and every drafter load once, in ``main`` (never in gr.State), into one ``AppState``; the
 modules of ``specviz.apps.web`` plan requests, draw the views and lay out the page around it.
@@ -21,9 +22,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=env("SPECVIZ_TARGET"), help="HF model id or folder (default: embedded)")
     p.add_argument("--assistant", default=env("SPECVIZ_ASSISTANT"), help="assistant LM for sps (same tokenizer)")
+    p.add_argument("--drafters", default=env("SPECVIZ_DRAFTERS"),
+                   help="checkpoints trained for this target: a folder with one subfolder per method (eagle2/, ...)")
     p.add_argument("--device", default=env("SPECVIZ_DEVICE"), help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", default=env("SPECVIZ_DTYPE", "auto"),
-                   help="auto (bf16 where the hardware is fast at it, else float32), float32 (exact), bfloat16, float16")
+                   help="auto (bf16 where the hardware is fast at it, else float32), float32 (exact), bfloat16 "
+                        "or float16")
     return p.parse_known_args(argv)[0]
 
 
@@ -36,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     from specviz.core.errors import SpecvizError
 
     try:
-        state = load_state(args.target, args.dtype, args.device, args.assistant, warm_up)
+        state = load_state(args.target, args.dtype, args.device, args.assistant, warm_up, drafters=args.drafters)
     except SpecvizError as error:
         sys.exit(f"specviz: {error}")
     launch(build_demo(state))

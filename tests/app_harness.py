@@ -40,11 +40,11 @@ def free_port() -> int:
 
 
 class RunningApp:
-    def __init__(self, target: Path, port: int | None = None, timeout: float = 180):
+    def __init__(self, target: Path, port: int | None = None, timeout: float = 180, **env_extra: str):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         env = {**os.environ, "GRADIO_SERVER_PORT": str(self.port), "GRADIO_ANALYTICS_ENABLED": "False",
-               "SPECVIZ_TARGET": str(target), "PYTHONPATH": str(ROOT)}
+               "SPECVIZ_TARGET": str(target), "PYTHONPATH": str(ROOT), **env_extra}
         self.log = open(target.parent / f"app-{self.port}.log", "w")
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)

@@ -31,6 +31,29 @@ CLOCK = """([first, done]) => {
 }"""
 
 
+# Per column: its box, its header's lines, and how many of its token spans leave it; and every overlapping pair.
+LAYOUT = """(methods) => {
+    const boxes = {}, result = {overlaps: [], escaped: {}, head_lines: {}};
+    for (const m of methods) {
+        const col = document.querySelector('#col-' + m);
+        const r = col.getBoundingClientRect();
+        boxes[m] = r;
+        const head = col.querySelector('.sv-head');
+        const line = parseFloat(getComputedStyle(head).lineHeight) || 20;
+        result.head_lines[m] = Math.round(head.getBoundingClientRect().height / line);
+        result.escaped[m] = [...col.querySelectorAll('.sv-tokens span')].filter(s => [...s.getClientRects()].some(
+            b => b.left < r.left - 1 || b.right > r.right + 1 || b.top < r.top - 1 || b.bottom > r.bottom + 1)).length;
+    }
+    for (let i = 0; i < methods.length; i++) for (let j = i + 1; j < methods.length; j++) {
+        const a = boxes[methods[i]], b = boxes[methods[j]];
+        if (a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1)
+            result.overlaps.push([methods[i], methods[j]]);
+    }
+    result.widths = Object.fromEntries(methods.map(m => [m, Math.round(boxes[m].width)]));
+    return result;
+}"""
+
+
 def chromium_cpu_s() -> float:
     """CPU seconds used so far by every chromium process (browser, renderer, GPU, utilities)."""
     import psutil
@@ -75,6 +98,7 @@ def main() -> None:
     p.add_argument("--tree", default=None, help="show this method's draft tree before the screenshot")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--cpu", action="store_true", help="also report chromium's CPU seconds from Run to done")
+    p.add_argument("--layout-widths", default="", help="window widths at which to check the columns' layout")
     args = p.parse_args()
     methods = args.methods.split(",")
     timeout = args.timeout * 1000
@@ -117,6 +141,13 @@ def main() -> None:
             "plot_titles": [t.text_content() for t in page.locator(".js-plotly-plot .gtitle").all()],
             "message": page.locator("#message").inner_text(),
         }
+        seen["layout"] = {}
+        for width in [int(w) for w in args.layout_widths.split(",") if w]:
+            page.set_viewport_size({"width": width, "height": 1900})
+            page.wait_for_timeout(400)
+            seen["layout"][width] = page.evaluate(LAYOUT, methods)
+            if args.screenshot:
+                page.screenshot(path=args.screenshot.replace(".png", f"-{width}.png"), full_page=True)
         if args.screenshot:
             page.screenshot(path=args.screenshot, full_page=True)
         browser.close()

@@ -39,3 +39,36 @@ def test_page_runs_two_methods_and_renders_tokens_and_plots(tmp_path):
     assert "40 tokens" in seen["heads"]["pld"] and "identical to AR" in seen["heads"]["pld"]
     assert any("α_k" in t for t in seen["plot_titles"])
     assert (ARTIFACTS / "app.png").stat().st_size > 10_000
+
+
+@needs_browser
+def test_every_method_in_columns_that_never_overlap(tmp_path):
+    """All eleven methods (tiny drafters trained for the tiny target, the target itself as sps's assistant):
+    at 1280 and 1920 px no two columns overlap and no token leaves its column."""
+    pytest.importorskip("playwright")
+    from conftest import train_tiny_drafter
+    from drafters import METHODS
+    from specviz.core.load import load_target
+
+    folder = tiny_target_folder(tmp_path / "target")
+    target = load_target(str(folder), "float32", "cpu")
+    trained = [m for m, (cls, _) in METHODS.items() if cls.trained]
+    for m in trained:
+        train_tiny_drafter(target, m, tmp_path / "drafters" / m, epochs=1)
+    app = RunningApp(folder, SPECVIZ_DRAFTERS=str(tmp_path / "drafters"), SPECVIZ_ASSISTANT=str(folder))
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run([sys.executable, str(ROOT / "tests" / "browser_check.py"), app.url,
+                               "--methods", ",".join(METHODS), "--max-new-tokens", "24", "--layout-widths", "1280,1920",
+                               "--screenshot", str(ARTIFACTS / "app-all.png")],
+                              capture_output=True, text=True, timeout=900)
+    finally:
+        app.close()
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(sum(seen["spans"][m].values()) >= 24 for m in METHODS), seen["spans"]
+    for width, layout in seen["layout"].items():
+        assert layout["overlaps"] == [], (width, layout["overlaps"])
+        assert not any(layout["escaped"].values()), (width, layout["escaped"])
+        assert min(layout["widths"].values()) >= 280, (width, layout["widths"])  # a readable column
+        assert max(layout["head_lines"].values()) <= 3, (width, layout["head_lines"])

@@ -152,3 +152,17 @@ def test_newlines_and_empty_tokens_stay_visible():
     record = fake_record()
     body = render.step_html(record, lambda ids: {5: "\n", 9: ""}.get(ids[0], "?"), show_rejected=False)
     assert "↵\n</span>" in body and ">∅</span>" in body
+
+
+def test_plots_one_line_per_method_and_a_box_of_tokens_per_step():
+    from specviz.core.engine import StepRecord
+
+    prefill = StepRecord(0, DraftTree.empty(), [], [4], 4, torch.zeros(0), 1.0)
+    runs = {"a": [prefill, fake_record(1), fake_record(2)], "b": [prefill, fake_record(1)]}
+    alpha = render.acceptance_figure(runs)
+    assert [(t.name, t.line.dash, t.showlegend) for t in alpha.data] == [
+        ("a", "solid", True), ("a", "dash", False), ("b", "solid", True), ("b", "dash", False)]
+    assert list(alpha.data[0].y) == [1.0, 0.0]  # depth 1 accepted at both steps, depth 2 reached, never accepted
+    assert alpha.data[0].line.color == alpha.data[1].line.color != alpha.data[2].line.color
+    boxes = render.accepted_length_figure(runs)
+    assert [(t.type, t.name, list(t.y)) for t in boxes.data] == [("box", "a", [2, 2]), ("box", "b", [2])]

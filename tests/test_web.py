@@ -15,7 +15,7 @@ from specviz.apps import teaching
 from specviz.apps.web import space
 from specviz.apps.web.handlers import Handlers
 from specviz.apps.web.layout import build_demo
-from specviz.apps.web.plan import plan_race, setting_specs, slider_settings
+from specviz.apps.web.plan import SettingSpec, plan_race, setting_specs, slider_settings
 from specviz.apps.web.state import AppState, load_state
 from specviz.apps.web.views import RaceView, learn_text, tree_choices, warm_up
 from specviz.core.errors import SettingsError, SpecvizError
@@ -170,6 +170,18 @@ def test_a_malformed_card_makes_its_method_unavailable_not_the_app(state, tmp_pa
     broken.load_drafters()
     assert "medusa" not in broken.drafters and "could not be built" in broken.unavailable["medusa"]
     assert "ar" in broken.drafters
+
+
+def test_presets_set_the_sliders(handlers, state):
+    specs = handlers.specs
+    fastest, paper = handlers.preset("fastest"), handlers.preset("paper")
+    at = {(s.method, s.name): i for i, s in enumerate(specs)}
+    pld = at[("pld", "num_tokens")]
+    assert fastest[pld] == state.defaults("pld")["num_tokens"]  # the tuned budget
+    assert len(fastest) == len(paper) == len(specs)
+    tree = [SettingSpec("eagle2", "depth", 1, 16, 2), SettingSpec("eagle2", "total_tokens", 1, 32, 8)]
+    assert Handlers(state, tree).preset("paper") == [6, 32]  # EAGLE-2's 6-deep, 60-token tree, within the slider
+    assert Handlers(state, tree).preset("fastest") == [2, 8]
 
 
 def test_learn_tab_names_papers_not_internal_labels(state):

@@ -19,8 +19,12 @@ LEGEND = ('<span class="sv-acc">accepted draft</span> · <span class="sv-bonus">
           'correction)</span> · <span class="sv-rej">rejected draft</span>. Hover a token for its step, depth and '
           'probabilities.')
 CSS = """
-.sv-column { min-width: 260px; }
-.sv-head { font-size: 0.9em; margin-bottom: 4px; }
+#race-columns { display: grid !important; grid-template-columns: repeat(auto-fill, minmax(min(100%, 300px), 1fr));
+  gap: 10px; align-items: start; }
+#race-columns > * { min-width: 0 !important; max-width: 100%; margin: 0 !important; }
+.sv-column { min-width: 0; overflow: hidden; border: 1px solid #e5e5e5; border-radius: 6px; padding: 6px 8px; }
+.sv-head { font-size: 0.9em; margin-bottom: 4px; overflow-wrap: anywhere; }
+.sv-tokens { overflow-wrap: anywhere; word-break: break-word; }
 .sv-same { color: #2e7d32; } .sv-tie { color: #b7791f; } .sv-differs, .sv-error { color: #c0392b; }
 .sv-tokens { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.6; }
 .sv-acc { background: #d7f0dd; border-bottom: 2px solid #2e9e4f; }
@@ -69,26 +73,39 @@ def step_html(record: StepRecord, decode, show_rejected: bool) -> str:
     return "".join(out)
 
 
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#393b79", "#637939")  # one colour per method, the same in every plot
+COMPACT_LEGEND = dict(font=dict(size=10), itemwidth=30, tracegroupgap=2)
+
+
+def method_colours(labels) -> dict[str, str]:
+    return {label: PALETTE[i % len(PALETTE)] for i, label in enumerate(labels)}
+
+
 def acceptance_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
-    fig = go.Figure()
+    """One line per method: conditional α_k solid, unconditional dashed (one legend entry per method)."""
+    fig, colours = go.Figure(), method_colours(runs)
     for label, records in runs.items():
         cond, uncond = acceptance_by_depth(records)
         depth = list(range(1, len(cond) + 1))
-        fig.add_trace(go.Bar(x=depth, y=cond, name=f"{label} conditional"))
-        fig.add_trace(go.Bar(x=depth, y=uncond, name=f"{label} unconditional", opacity=0.5))
-    fig.update_layout(title="α_k per draft depth<br><sup>conditional: ÷ steps whose draft reached k · "
-                      "unconditional: ÷ all steps</sup>",
-                      xaxis_title="draft depth k", yaxis_title="α_k", yaxis_range=[0, 1], barmode="group", **LAYOUT)
+        for values, dash, kind in ((cond, "solid", "conditional"), (uncond, "dash", "unconditional")):
+            fig.add_trace(go.Scatter(x=depth, y=values, mode="lines+markers", name=label, legendgroup=label,
+                                     showlegend=kind == "conditional", line=dict(color=colours[label], dash=dash),
+                                     hovertemplate=f"{label} {kind}: α_%{{x}} = %{{y:.2f}}<extra></extra>"))
+    fig.update_layout(title="α_k per draft depth<br><sup>solid: conditional (÷ steps whose draft reached k) · "
+                      "dashed: unconditional (÷ all steps)</sup>", legend=COMPACT_LEGEND,
+                      xaxis=dict(title="draft depth k", dtick=1), yaxis_title="α_k", yaxis_range=[0, 1.05], **LAYOUT)
     return fig
 
 
 def accepted_length_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
-    fig = go.Figure()
+    """How many tokens each step brought (accepted drafts + the target's own), as a box per method."""
+    fig, colours = go.Figure(), method_colours(runs)
     for label, records in runs.items():
-        decode = decode_steps(records)
-        fig.add_trace(go.Scatter(x=[r.step for r in decode], y=[len(r.tokens) for r in decode],
-                                 mode="lines+markers", name=label))
-    fig.update_layout(title="tokens per step (accepted + bonus)", xaxis_title="step", yaxis_title="tokens", **LAYOUT)
+        fig.add_trace(go.Box(y=[len(r.tokens) for r in decode_steps(records)], name=label, boxmean=True,
+                             marker_color=colours[label], boxpoints="outliers", showlegend=False))
+    fig.update_layout(title="tokens per step (accepted + bonus)<br><sup>box: quartiles · dashed: mean (τ)</sup>",
+                      yaxis=dict(title="tokens", rangemode="tozero", dtick=1), **LAYOUT)
     return fig
 
 

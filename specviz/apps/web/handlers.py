@@ -11,6 +11,7 @@ import time
 
 import gradio as gr
 
+from drafters import METHODS
 from specviz.core.errors import SpecvizError
 from specviz.core.metrics import identical, summarize
 
@@ -135,6 +136,16 @@ class Handlers:
                 yield table, path, "\n".join([done, *notes])
         except SpecvizError as e:
             raise gr.Error(str(e)) from None
+
+    def preset(self, preset: str) -> list[int]:
+        """The settings sliders at a preset: "fastest" (the budgets tuned for this machine) or "paper"."""
+        values = []
+        for spec in self.specs:
+            value = spec.default
+            if preset == "paper":
+                value = METHODS[spec.method][1].PAPER.get(spec.name, value)
+            values.append(min(max(int(value), spec.low), spec.high))
+        return values
 
     def tree_view(self, runs: dict, method: str, step: int):
         return views.tree_figure(runs, method, step, self.state.target.decode)

@@ -57,16 +57,21 @@ def build_demo(state: AppState) -> gr.Blocks:
                     show_rejected = gr.Checkbox(value=True, label="Show rejected drafts (struck through)")
             setting_inputs = []
             with gr.Row():
+                fastest = gr.Button("Preset: fastest on this machine", size="sm", elem_id="preset-fastest")
+                paper = gr.Button("Preset: as in the papers", size="sm", elem_id="preset-paper")
+            with gr.Row():
                 for method in dict.fromkeys(s.method for s in specs):
                     with gr.Accordion(f"{method} settings", open=False):
                         setting_inputs += [gr.Slider(s.low, s.high, value=s.default, step=1, label=s.name)
                                            for s in specs if s.method == method]
+            fastest.click(lambda: handlers.preset("fastest"), None, setting_inputs, **private)
+            paper.click(lambda: handlers.preset("paper"), None, setting_inputs, **private)
             gr.Examples(examples(), inputs=prompt, cache_examples=False)
             with gr.Row():
                 run_btn = gr.Button("Run", variant="primary", elem_id="run")
                 stop_btn = gr.Button("Stop", elem_id="stop")
             message = gr.Markdown(elem_id="message")
-            with gr.Row(equal_height=False):
+            with gr.Row(equal_height=False, elem_id="race-columns"):  # a grid: as many columns as fit, then rows
                 columns = [gr.HTML(visible=False, elem_id=f"col-{m}", elem_classes="sv-column") for m in METHODS]
             with gr.Row():
                 empty = views.plots({})  # drawn at page load, so the browser has plotly ready before the first Run

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from drafters import METHODS, build_drafter
 from specviz.core.errors import SpecvizError
@@ -89,13 +90,23 @@ class AppState:
 
 
 def load_state(target: str | None = None, dtype: str = "auto", device: str | None = None,
-               assistant: str | None = None, warm_up=None, tune_budgets: bool = True) -> AppState:
+               assistant: str | None = None, warm_up=None, tune_budgets: bool = True,
+               drafters: str | None = None) -> AppState:
     """Load the target, tune each method's budget (``tuning``) and load every drafter on the engine
-    thread, then run ``warm_up(state)`` there."""
+    thread, then run ``warm_up(state)`` there. ``drafters``: a folder with a checkpoint subfolder per
+    trained method, used instead of the shipped ones (drafters trained for another target)."""
     start = time.perf_counter()
     engine = ThreadPoolExecutor(1, thread_name_prefix="engine")
     model = engine.submit(load_target, target, dtype, device).result()
-    state = AppState(model, configured={"sps": {"assistant": assistant}} if assistant else {}, engine=engine)
+    configured = {"sps": {"assistant": assistant}} if assistant else {}
+    if drafters:
+        folder = Path(drafters)
+        if not folder.is_dir():
+            raise SpecvizError(f"--drafters {drafters}: no such folder")
+        for name, (cls, _) in METHODS.items():
+            if cls.trained and (folder / name).is_dir():
+                configured[name] = {"checkpoint": str(folder / name)}
+    state = AppState(model, configured=configured, engine=engine)
     if tune_budgets:
         state.on_engine(state.tune_budgets)
     state.on_engine(state.load_drafters)
