@@ -26,16 +26,17 @@ class PromptLookupSettings(Settings):
             raise SettingsError(f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})")
 
 
-def lookup(tokens: torch.Tensor, settings: PromptLookupSettings, limit: int) -> torch.Tensor:
-    """Continuation of the most recent earlier match of the longest suffix n-gram (n from max to min)."""
+def lookup(tokens: torch.Tensor, settings: PromptLookupSettings, limit: int) -> tuple[torch.Tensor, int, int]:
+    """Continuation of the most recent earlier match of the longest suffix n-gram (n from max to min),
+    with where that match starts and its length (0 when nothing matched)."""
     length = tokens.numel()
     for n in range(min(settings.max_ngram, length - 1), settings.min_ngram - 1, -1):
         windows = tokens[: length - 1].unfold(0, n, 1)  # windows that have at least one token after them
         hits = torch.nonzero((windows == tokens[-n:]).all(dim=1)).flatten()
         if hits.numel():
             start = int(hits[-1]) + n
-            return tokens[start : start + min(settings.num_tokens, limit)]
-    return tokens[:0]
+            return tokens[start : start + min(settings.num_tokens, limit)], int(hits[-1]), n
+    return tokens[:0], 0, 0
 
 
 class PromptLookupDrafter(Drafter):
@@ -46,5 +47,5 @@ class PromptLookupDrafter(Drafter):
         self.settings = settings or PromptLookupSettings()
 
     def propose(self, request: DraftRequest) -> DraftTree:
-        found = lookup(torch.tensor(request.tokens), self.settings, request.max_depth)
-        return DraftTree.chain(found)
+        found, at, n = lookup(torch.tensor(request.tokens), self.settings, request.max_depth)
+        return DraftTree.chain(found, ngram=request.tokens[at: at + n], ngram_at=at) if n else DraftTree.chain(found)

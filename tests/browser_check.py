@@ -99,6 +99,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--cpu", action="store_true", help="also report chromium's CPU seconds from Run to done")
     p.add_argument("--layout-widths", default="", help="window widths at which to check the columns' layout")
+    p.add_argument("--step-through", default="", help="methods to walk in the step-through view (arrow keys)")
     args = p.parse_args()
     methods = args.methods.split(",")
     timeout = args.timeout * 1000
@@ -141,6 +142,19 @@ def main() -> None:
             "plot_titles": [t.text_content() for t in page.locator(".js-plotly-plot .gtitle").all()],
             "message": page.locator("#message").inner_text(),
         }
+        seen["steps"] = {}
+        for m in [m for m in args.step_through.split(",") if m]:
+            page.locator("#tree-method input").click()
+            page.get_by_role("option", name=m, exact=True).click()
+            page.wait_for_function(f"document.querySelector('#step-info')?.innerText.includes('{m} · step')",
+                                   timeout=timeout)
+            first = page.locator("#step-info").inner_text()
+            page.locator("h1").first.click()  # focus off the inputs: the arrow keys walk the steps
+            page.keyboard.press("ArrowRight")
+            page.wait_for_function(f"!document.querySelector('#step-info').innerText.includes({json.dumps(first[:60])})"
+                                   f" || document.querySelector('#step-info').innerText !== {json.dumps(first)}",
+                                   timeout=timeout)
+            seen["steps"][m] = [first, page.locator("#step-info").inner_text()]
         seen["layout"] = {}
         for width in [int(w) for w in args.layout_widths.split(",") if w]:
             page.set_viewport_size({"width": width, "height": 1900})

@@ -60,6 +60,7 @@ def test_every_method_in_columns_that_never_overlap(tmp_path):
     try:
         done = subprocess.run([sys.executable, str(ROOT / "tests" / "browser_check.py"), app.url,
                                "--methods", ",".join(METHODS), "--max-new-tokens", "24", "--layout-widths", "1280,1920",
+                               "--step-through", "eagle2,redrafter",
                                "--screenshot", str(ARTIFACTS / "app-all.png")],
                               capture_output=True, text=True, timeout=900)
     finally:
@@ -72,3 +73,7 @@ def test_every_method_in_columns_that_never_overlap(tmp_path):
         assert not any(layout["escaped"].values()), (width, layout["escaped"])
         assert min(layout["widths"].values()) >= 280, (width, layout["widths"])  # a readable column
         assert max(layout["head_lines"].values()) <= 3, (width, layout["head_lines"])
+    for m in ("eagle2", "redrafter"):  # the step-through view, walked with the arrow key
+        first, second = seen["steps"][m]
+        assert f"{m} · step" in first and "Time: draft" in first and second != first, (m, first, second)
+    assert "beams of" in seen["steps"]["redrafter"][0] + seen["steps"]["redrafter"][1]

@@ -17,15 +17,15 @@ from specviz.core.target import TargetModel
 from specviz.core.verify import Sampling, probabilities
 
 
-def brute_lookup(tokens: list[int], num_tokens: int, max_ngram: int, min_ngram: int, limit: int) -> list[int]:
+def brute_lookup(tokens: list[int], num_tokens: int, max_ngram: int, min_ngram: int, limit: int):
     for n in range(max_ngram, min_ngram - 1, -1):
         if n > len(tokens) - 1:
             continue
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):  # the most recent earlier match
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + min(num_tokens, limit)]
-    return []
+                return tokens[start + n : start + n + min(num_tokens, limit)], start, n
+    return [], 0, 0
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -36,8 +36,9 @@ def test_prompt_lookup_matches_brute_force(seed):
     min_ngram = rng.randint(1, max_ngram)
     settings = PromptLookupSettings(num_tokens=rng.randint(1, 10), max_ngram=max_ngram, min_ngram=min_ngram)
     limit = rng.randint(1, 12)
-    got = lookup(torch.tensor(tokens), settings, limit).tolist()
-    assert got == brute_lookup(tokens, settings.num_tokens, settings.max_ngram, settings.min_ngram, limit)
+    found, at, n = lookup(torch.tensor(tokens), settings, limit)
+    assert (found.tolist(), at, n) == brute_lookup(tokens, settings.num_tokens, settings.max_ngram,
+                                                   settings.min_ngram, limit)
 
 
 def test_prompt_lookup_drafter_chain(tiny_target):
@@ -45,6 +46,7 @@ def test_prompt_lookup_drafter_chain(tiny_target):
     drafter = build_drafter("pld", target, num_tokens=3, max_ngram=2)
     tree = drafter.propose(DraftRequest([1, 2, 3, 4, 5, 1, 2], max_depth=8, sampling=Sampling()))
     assert tree.tokens.tolist() == [3, 4, 5] and tree.parents.tolist() == [0, 1, 2]
+    assert tree.info == {"ngram": [1, 2], "ngram_at": 0}  # what the step-through view shows
     tree = drafter.propose(DraftRequest([1, 2, 3, 4, 5, 1, 2], max_depth=2, sampling=Sampling()))
     assert tree.tokens.tolist() == [3, 4]
     assert len(drafter.propose(DraftRequest([1, 2, 3], max_depth=4, sampling=Sampling()))) == 0

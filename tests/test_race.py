@@ -166,3 +166,14 @@ def test_plots_one_line_per_method_and_a_box_of_tokens_per_step():
     assert alpha.data[0].line.color == alpha.data[1].line.color != alpha.data[2].line.color
     boxes = render.accepted_length_figure(runs)
     assert [(t.type, t.name, list(t.y)) for t in boxes.data] == [("box", "a", [2, 2]), ("box", "b", [2])]
+
+
+def test_step_detail_explains_what_the_target_kept_and_why_it_stopped():
+    decode = {5: "five", 6: "six", 7: "seven", 9: "nine", 1: "one"}.get
+    detail = render.step_detail(fake_record(), lambda ids: "".join(decode(i) for i in ids), [1], "eagle2")
+    assert "eagle2 · step 1" in detail and "…one<mark>fivenine</mark>" in detail
+    assert "Drafted <b>3</b> node(s) up to depth 2; the target accepted <b>1</b>: <code>five</code>" in detail
+    # node 2 (six) is the first child of the last accepted node: it decided where the path stopped
+    assert "the first rejected node, <code>six</code>, had draft p 0.250 and target p 0.100" in detail
+    assert detail.count('class="sv-accepted"') == 1 and detail.count('class="sv-rejected"') == 2
+    assert "<code>nine</code> (target p 0.700): the correction" in detail and "verify" in detail

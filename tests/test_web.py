@@ -17,7 +17,7 @@ from specviz.apps.web.handlers import Handlers
 from specviz.apps.web.layout import build_demo
 from specviz.apps.web.plan import SettingSpec, plan_race, setting_specs, slider_settings
 from specviz.apps.web.state import AppState, load_state
-from specviz.apps.web.views import RaceView, learn_text, tree_choices, warm_up
+from specviz.apps.web.views import RaceView, learn_text, next_step, tree_choices, warm_up
 from specviz.core.errors import SettingsError, SpecvizError
 
 
@@ -94,6 +94,12 @@ def test_race_streams_columns_then_plots_and_runs(handlers, state):
     assert set(runs) == {"ar", "pld"} and "s1" not in state.stops  # the session's stop flag is gone
     methods, _ = tree_choices(runs)
     assert set(methods["choices"]) <= {"pld"}
+    figure, detail = handlers.step_view(runs, "ar", 1)  # the step-through view
+    assert "ar · step 1" in detail and "No draft this step" in detail and "verify" in detail
+    last = len(runs["ar"]["records"]) - 1
+    assert next_step(runs, "ar", 1, -1) == 1 and next_step(runs, "ar", 1, 1) == 2
+    assert next_step(runs, "ar", last, 1) == last and next_step({}, None, 3, 1) == 0
+    assert "Run a race" in handlers.step_view({}, None, 1)[1]
 
 
 def test_race_view_notes_methods_that_did_not_finish(state):

@@ -30,6 +30,9 @@ CSS = """
 .sv-acc { background: #d7f0dd; border-bottom: 2px solid #2e9e4f; }
 .sv-bonus { background: #fbe7c2; border-bottom: 2px solid #d98c00; }
 .sv-rej { color: #c0392b; text-decoration: line-through; opacity: 0.7; }
+.sv-nodes { font-size: 0.85em; border-collapse: collapse; } .sv-nodes td, .sv-nodes th { padding: 1px 8px; }
+.sv-nodes tr.sv-accepted { background: #d7f0dd; } .sv-nodes tr.sv-rejected { background: #f8dcd8; }
+.sv-nodes tr.sv-not { color: #999; }
 """
 LAYOUT = dict(uirevision="specviz", height=300, margin=dict(l=50, r=20, t=40, b=40))
 pio.templates.default = "plotly_white"  # as the default, not per figure: a figure's own template costs 20 ms of checks
@@ -80,6 +83,65 @@ COMPACT_LEGEND = dict(font=dict(size=10), itemwidth=30, tracegroupgap=2)
 
 def method_colours(labels) -> dict[str, str]:
     return {label: PALETTE[i % len(PALETTE)] for i, label in enumerate(labels)}
+
+
+def step_detail(record: StepRecord, decode, before: list[int], label: str = "", greedy: bool = True) -> str:
+    """One speculation step for the step-through view: the text so far, every draft node with its draft
+    and target probabilities and what became of it, why the accepted path stopped, the target's own
+    token, the time split, and what the method drafted from (a PLD n-gram, ReDrafter's beams)."""
+    tree, path, info = record.tree, record.path, record.tree.info
+    on_path, depths = {0, *path}, tree.depths.tolist()
+    draft_p = [math.exp(x) for x in tree.logprobs.tolist()] if tree.logprobs is not None else [None] * len(tree)
+    tok = [decode([int(t)]) for t in tree.tokens]
+    parents = tree.parents.tolist()
+    outcome = []
+    for i, parent in enumerate(parents, start=1):
+        outcome.append("accepted" if i in on_path else "rejected" if parent in on_path else "not reached")
+    shown = html.escape(decode(before)[-600:])
+    mine = html.escape(decode(record.tokens))
+    parts = [f"<h4>{html.escape(label)} · step {record.step}</h4>",
+             f'<div class="sv-tokens">…{shown}<mark>{mine}</mark></div>']
+    if not len(tree):
+        parts.append("<p>No draft this step: the target verified its last token alone and added one of its own.</p>")
+    else:
+        last = path[-1] if path else 0
+        stop = [i for i, p in enumerate(parents, start=1) if p == last and i not in on_path]
+        accepted = " ".join(f"<code>{html.escape(tok[n - 1])}</code>" for n in path) or "nothing"
+        parts.append(f"<p>Drafted <b>{len(tree)}</b> node(s) up to depth {tree.max_depth}; the target accepted "
+                     f"<b>{len(path)}</b>: {accepted}.</p>")
+        if stop:
+            i = stop[0]
+            rule = ("greedy: the target keeps a draft only if it is its own top token"
+                    if greedy else "rejection sampling: kept with probability min(1, target p / draft p)")
+            parts.append(f"<p>It stopped at depth {len(path) + 1}: the first rejected node, "
+                         f"<code>{html.escape(tok[i - 1])}</code>, had draft p {_p(draft_p[i - 1])} and target p "
+                         f"{_p(record.node_target_p[i - 1])} ({rule}).</p>")
+        else:
+            parts.append(f"<p>It stopped at depth {len(path) + 1} because the draft ended there.</p>")
+        rows = "".join(
+            f'<tr class="sv-{o.split()[0]}"><td>{i}</td><td>{depths[i - 1]}</td><td>{parents[i - 1]}</td>'
+            f"<td><code>{html.escape(tok[i - 1])}</code></td><td>{_p(draft_p[i - 1])}</td>"
+            f"<td>{_p(record.node_target_p[i - 1])}</td><td>{o}</td></tr>"
+            for i, o in enumerate(outcome, start=1))
+        parts.append('<table class="sv-nodes"><tr><th>node</th><th>depth</th><th>parent</th><th>token</th>'
+                     f"<th>draft p</th><th>target p</th><th></th></tr>{rows}</table>")
+    if len(record.tokens) > len(path):
+        kind = "correction (it replaces a rejected draft)" if len(tree) > len(path) else "bonus"
+        parts.append(f"<p>Then the target added its own token <code>{html.escape(decode([record.tokens[-1]]))}"
+                     f"</code> (target p {_p(record.bonus_target_p)}): the {kind}.</p>")
+    if "ngram" in info:
+        parts.append(f"<p>Prompt lookup matched the n-gram <code>{html.escape(decode(info['ngram']))}</code> at "
+                     f"position {info['ngram_at']} and proposed what followed it.</p>")
+    if "beams" in info:
+        w, n = info["beams"].shape
+        parts.append(f"<p>{w} beams of {n} tokens merged into {len(tree)} nodes (compression "
+                     f"{info['compression']:.2f}): shared prefixes are verified once.</p>")
+    if "choices" in info:
+        parts.append(f"<p>Medusa's static tree: {len(info['choices'])} rank paths chosen from the heads' "
+                     "validation accuracy; every step uses the same shape.</p>")
+    t = record.timings
+    parts.append("<p>Time: " + " · ".join(f"{p} {1000 * getattr(t, p):.1f} ms" for p in PHASES) + "</p>")
+    return "\n".join(parts)
 
 
 def acceptance_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:

@@ -147,5 +147,5 @@ class Handlers:
             values.append(min(max(int(value), spec.low), spec.high))
         return values
 
-    def tree_view(self, runs: dict, method: str, step: int):
-        return views.tree_figure(runs, method, step, self.state.target.decode)
+    def step_view(self, runs: dict, method: str, step: int):
+        return views.step_view(runs, method, step, self.state.target.decode)

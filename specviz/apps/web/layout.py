@@ -20,6 +20,14 @@ from .state import AppState
 DEFAULT_METHODS = ("ar", "pld", "eagle2", "redrafter")
 RULE_CHOICES = [("auto: greedy at T=0, else rejection sampling (lossless)", "auto"),
                 ("rejection sampling (lossless)", "rejection"), ("typical acceptance (LOSSY)", "typical")]
+# The arrow keys walk the step-through view, unless the user is typing somewhere.
+ARROW_KEYS = """<script>
+document.addEventListener('keydown', (e) => {
+  if (e.target.closest('input, textarea, select, [contenteditable]')) return;
+  const id = {ArrowLeft: 'step-prev', ArrowRight: 'step-next'}[e.key];
+  if (id) document.getElementById(id)?.click();
+});
+</script>"""
 QUEUE_SIZE = int(os.environ.get("SPECVIZ_QUEUE_SIZE", 16))  # waiting requests beyond this are turned away
 
 
@@ -79,20 +87,29 @@ def build_demo(state: AppState) -> gr.Blocks:
                 length_plot = gr.Plot(empty[1], label="tokens per step", elem_id="plot-length")
                 latency_plot = gr.Plot(empty[2], label="latency per token", elem_id="plot-latency")
             runs = gr.State({})
+            gr.Markdown("### Step through a run\nPick a method, then walk its speculation steps with ◀ ▶ "
+                        "(or the arrow keys): the draft tree, what the target accepted and why it stopped.")
             with gr.Row():
-                tree_method = gr.Dropdown([], label="Draft tree of", scale=1, elem_id="tree-method")
-                tree_step = gr.Slider(1, 2, value=1, step=1, label="Step", scale=3)
-            tree_plot = gr.Plot(label="draft tree", elem_id="plot-tree")
+                tree_method = gr.Dropdown([], label="Method", scale=1, elem_id="tree-method")
+                prev_btn = gr.Button("◀ previous", size="sm", scale=0, elem_id="step-prev")
+                tree_step = gr.Slider(1, 2, value=1, step=1, label="Step", scale=3, elem_id="tree-step")
+                next_btn = gr.Button("next ▶", size="sm", scale=0, elem_id="step-next")
+            with gr.Row(equal_height=False):
+                tree_plot = gr.Plot(label="draft tree", elem_id="plot-tree", scale=3)
+                step_info = gr.HTML(elem_id="step-info", elem_classes="sv-column")
             run_btn.click(GPU(handlers.race), [prompt, methods, max_new, temperature, top_p, show_rejected, rule,
                                                *setting_inputs],
                           [*columns, alpha_plot, length_plot, latency_plot, message, runs], api_name="race",
                           concurrency_id="engine", show_progress="hidden")
             stop_btn.click(handlers.stop, None, None, api_name="stop", concurrency_limit=None)
-            tree_inputs = [runs, tree_method, tree_step]
+            tree_inputs, tree_outputs = [runs, tree_method, tree_step], [tree_plot, step_info]
             runs.change(views.tree_choices, runs, [tree_method, tree_step], **private).then(
-                handlers.tree_view, tree_inputs, tree_plot, **private)
-            tree_method.input(handlers.tree_view, tree_inputs, tree_plot, **private)
-            tree_step.release(handlers.tree_view, tree_inputs, tree_plot, **private)
+                handlers.step_view, tree_inputs, tree_outputs, **private)
+            tree_method.input(handlers.step_view, tree_inputs, tree_outputs, **private)
+            tree_step.release(handlers.step_view, tree_inputs, tree_outputs, **private)
+            for button, delta in ((prev_btn, -1), (next_btn, 1)):
+                button.click(lambda r, m, s, d=delta: views.next_step(r, m, s, d), tree_inputs, tree_step,
+                             **private).then(handlers.step_view, tree_inputs, tree_outputs, **private)
         with gr.Tab("Benchmark"):
             with gr.Row():
                 bench_set = gr.Dropdown(["mt-bench", "humaneval"], value="mt-bench", label="Questions")
@@ -133,4 +150,4 @@ def launch(demo: gr.Blocks) -> None:
     demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
     calm_queue(demo._queue)
     demo.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-                server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), css=render.CSS)
+                server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), css=render.CSS, head=ARROW_KEYS)

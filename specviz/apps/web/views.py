@@ -108,7 +108,8 @@ class RaceView:
 
     def finish(self) -> tuple:
         self.html.update({m: self.column(m) for m in self.plan.drafters})
-        runs = {k: {"records": v.records, "clock": v.clock, "error": v.error} for k, v in self.lanes.items()}
+        runs = {k: {"records": v.records, "clock": v.clock, "error": v.error, "greedy": self.plan.sampling.greedy}
+                for k, v in self.lanes.items()}
         return (*self.html.values(), *self.figures(), self.message(), runs)
 
     def figures(self) -> list:
@@ -131,10 +132,22 @@ def tree_choices(runs: dict):
             gr.update(maximum=max(steps, 2), value=drafted[first][0] if first else 1))
 
 
-def tree_figure(runs: dict, method: str, step: int, decode):
-    records = ((runs or {}).get(method) or {}).get("records", [])
-    record = next((r for r in records if r.step == int(step)), None)
-    return render.tree_figure(record, decode, method or "")
+def step_view(runs: dict, method: str, step: int, decode) -> tuple:
+    """The step-through view of one step: its draft tree and what happened in it."""
+    run = (runs or {}).get(method) or {}
+    records = run.get("records", [])
+    index = next((i for i, r in enumerate(records) if r.step == int(step or 0)), None)
+    if index is None:
+        return render.tree_figure(None, decode, method or ""), "Run a race, then pick a method and a step."
+    before = [t for r in records[:index] for t in r.tokens]
+    detail = render.step_detail(records[index], decode, before, method, run.get("greedy", True))
+    return render.tree_figure(records[index], decode, method), detail
+
+
+def next_step(runs: dict, method: str, step: int, delta: int) -> int:
+    """The step ``delta`` away (prev/next buttons, arrow keys), within the method's run."""
+    steps = [r.step for r in ((runs or {}).get(method) or {}).get("records", [])]
+    return min(max(int(step or 0) + delta, 1 if len(steps) > 1 else 0), max(steps, default=0))
 
 
 def benchmark_table(result: dict):
