@@ -65,7 +65,7 @@ def test_unknown_setting(target):
 
 @pytest.mark.parametrize("temperature", [-1.0, -1e-6, 101.0])
 def test_bad_temperature(temperature):
-    with pytest.raises(SettingsError, match="temperature must be in"):
+    with pytest.raises(SettingsError, match=r"temperature must be 0 \(greedy\) or in"):
         Sampling(temperature=temperature)
 
 
