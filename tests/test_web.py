@@ -178,6 +178,15 @@ def test_a_malformed_card_makes_its_method_unavailable_not_the_app(state, tmp_pa
     assert "ar" in broken.drafters
 
 
+def test_the_benchmark_tab_shows_real_headers_and_runs_a_temperature_sweep(handlers):
+    from specviz.apps.web.views import benchmark_table
+
+    assert list(benchmark_table(None).columns) == ["method", "τ", "speedup", "tok/s", "identical to AR"]
+    figure, table, status = list(handlers.sweep("mt-bench", "first N", 1, ["pld"], 4))[-1]
+    assert len(table) == 12 and set(table["method"]) == {"ar", "pld"}  # 3 temperatures x 2 rules x 2 methods
+    assert {t.name for t in figure.data} >= {"pld · lossless", "pld · lossy (typical)"}
+
+
 def test_presets_set_the_sliders(handlers, state):
     specs = handlers.specs
     fastest, paper = handlers.preset("fastest"), handlers.preset("paper")

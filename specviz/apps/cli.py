@@ -101,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint folder (default: the run's folder in the cache; --ship for assets/drafters/NAME)")
     t.add_argument("--ship", action="store_true", help="write the final checkpoint into assets/drafters/NAME")
 
+    sw = sub.add_parser("sweep", help="speed and output quality against temperature, per acceptance rule")
+    _common(sw)
+    sw.add_argument("--questions", default="mt-bench")
+    sw.add_argument("--per-category", type=int, default=1)
+    sw.add_argument("--methods", default="medusa,redrafter")
+    sw.add_argument("--temperatures", default="0,0.5,1")
+    sw.add_argument("--rules", default="rejection,typical")
+    sw.add_argument("--out", default="sweep.json")
+
     tu = sub.add_parser("tune", help="choose each method's draft budget for this machine (cached)")
     tu.add_argument("--target", default=None)
     tu.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -369,6 +378,31 @@ def cmd_train(args) -> None:
               f"validation {card['history'][-1]['val']}")
 
 
+def cmd_sweep(args) -> None:
+    from specviz.core.load import load_target
+
+    from .bench import machine_description
+    from .questions import load_questions
+    from .sweep import sweep
+
+    try:
+        temperatures = [float(t) for t in args.temperatures.split(",")]
+    except ValueError:
+        raise SpecvizError(f"--temperatures must be numbers separated by commas, got {args.temperatures!r}") from None
+    target = load_target(args.target, args.dtype, args.device)
+    questions = load_questions(args.questions, per_category=args.per_category)
+    rows = []
+    for rows in sweep(target, args.methods.split(","), questions, temperatures, args.rules.split(","),
+                      args.max_new_tokens, args.seed or 0):
+        Path(args.out).write_text(json.dumps({"machine": machine_description(), "dtype": str(target.dtype),
+                                              "rows": rows}, indent=1))
+        last = rows[-1]
+        print(f"T={last['temperature']} {last['rule']}: " + ", ".join(
+            f"{r['method']} {r['speedup']:.2f}x ll {r['log_likelihood']:.3f}" for r in rows
+            if r["temperature"] == last["temperature"] and r["rule"] == last["rule"]), flush=True)
+    print(f"wrote {args.out}")
+
+
 def cmd_tune(args) -> None:
     from specviz.core.load import load_target
 
@@ -406,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile,
                     "report": cmd_report, "methods": cmd_methods, "train": cmd_train, "data": cmd_data,
-                    "tune": cmd_tune}
+                    "tune": cmd_tune, "sweep": cmd_sweep}
         commands[args.command](args)
     except SpecvizError as e:
         print(f"error: {e}", file=sys.stderr)

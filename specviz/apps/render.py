@@ -181,6 +181,27 @@ def latency_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
     return fig
 
 
+def sweep_figure(rows: list[dict]) -> go.Figure:
+    """Speedup and the target's log-likelihood of the output against temperature: a line per method and
+    rule, solid for lossless rules, dashed for lossy ones."""
+    fig = make_subplots(1, 2, subplot_titles=("speedup vs AR at the same temperature",
+                                              "quality: target log-likelihood per token"), horizontal_spacing=0.12)
+    colours = method_colours(dict.fromkeys(r["method"] for r in rows))
+    lines: dict[tuple, list[dict]] = {}
+    for r in rows:
+        lines.setdefault((r["method"], "lossless" if r["lossless"] else "lossy (typical)"), []).append(r)
+    for (method, kind), points in lines.items():
+        style = dict(color=colours[method], dash="solid" if kind == "lossless" else "dash")
+        x = [p["temperature"] for p in points]
+        for col, key in ((1, "speedup"), (2, "log_likelihood")):
+            fig.add_trace(go.Scatter(x=x, y=[p[key] for p in points], mode="lines+markers", line=style,
+                                     name=f"{method} · {kind}", legendgroup=f"{method}{kind}", showlegend=col == 1),
+                          row=1, col=col)
+    fig.update_xaxes(title_text="temperature")
+    fig.update_layout(legend=COMPACT_LEGEND, **{**LAYOUT, "height": 360})
+    return fig
+
+
 def tree_figure(record: StepRecord | None, decode, label: str = "") -> go.Figure:
     """One step's draft tree: x = depth, y = leaf order, the accepted path in green, the rest dimmed.
 

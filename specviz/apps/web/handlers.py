@@ -15,6 +15,7 @@ from drafters import METHODS
 from specviz.core.errors import SpecvizError
 from specviz.core.metrics import identical, summarize
 
+from .. import render
 from ..background import in_batches
 from ..bench import bench_steps
 from ..questions import BUILTIN, load_questions
@@ -134,6 +135,34 @@ class Handlers:
                 table.to_csv(path, index=False)
                 done = f"{len(result['per_prompt'])} of {len(questions)} questions on {result['machine']}"
                 yield table, path, "\n".join([done, *notes])
+        except SpecvizError as e:
+            raise gr.Error(str(e)) from None
+
+    def sweep(self, question_set: str, subset: str, count: int, methods: list[str], max_new_tokens: int,
+              progress=gr.Progress(track_tqdm=True)):
+        """The Benchmark tab's temperature sweep: speed and quality against temperature per rule."""
+        import pandas as pd
+
+        from ..sweep import sweep
+
+        state, notes = self.state, []
+        if question_set not in BUILTIN:
+            raise gr.Error(f"questions must be one of {', '.join(BUILTIN)}")
+        picked = [m for m in (methods or []) if isinstance(m, str) and m in state.drafters]
+        if not picked:
+            raise gr.Error("Pick at least one available method.")
+        count = clamp("questions", count, 1, 80, 2, notes)
+        max_new_tokens = clamp("max new tokens", max_new_tokens, 1, MAX_NEW_TOKENS, 64, notes)
+        try:
+            questions = (load_questions(question_set, per_category=count) if subset == "per category"
+                         else load_questions(question_set, limit=count))
+            steps = state.on_engine_thread(sweep(state.target, picked, questions, max_new_tokens=max_new_tokens))
+            deadline = time.perf_counter() + BENCH_BUDGET_S
+            for rows in steps:
+                if time.perf_counter() > deadline:
+                    notes.append(f"stopped at this page's budget of {BENCH_BUDGET_S / 60:.0f} min")
+                    steps.close()
+                yield render.sweep_figure(rows), pd.DataFrame(rows), "\n".join(notes)
         except SpecvizError as e:
             raise gr.Error(str(e)) from None
 

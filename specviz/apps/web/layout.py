@@ -122,13 +122,29 @@ def build_demo(state: AppState) -> gr.Blocks:
                 bench_stop = gr.Button("Stop")
             bench_status = gr.Markdown()
             bench_table = gr.Dataframe(
-                label="τ and speedup vs AR, per method and category (same process, same prompts)")
+                value=views.benchmark_table(None), label="τ and speedup vs AR, per method and category "
+                "(same process, same prompts)", elem_id="bench-table")
             bench_csv = gr.File(label="CSV")
             bench_event = bench_btn.click(GPU(handlers.benchmark),
                                           [bench_set, bench_subset, bench_count, bench_methods, bench_tokens],
                                           [bench_table, bench_csv, bench_status], concurrency_id="engine",
                                           api_name="benchmark")
             bench_stop.click(None, cancels=[bench_event])
+            with gr.Accordion("Temperature sweep: speed and quality against temperature, per acceptance rule",
+                              open=False):
+                gr.Markdown("Each cell races the methods and AR at one temperature and rule on the questions "
+                            "above (seed 0). Lossless rejection sampling keeps the target's distribution, so its "
+                            "quality (the target's own log-likelihood of the text) follows AR's; typical "
+                            "acceptance is lossy and drifts. The shape of ReDrafter's Table 2.")
+                sweep_btn = gr.Button("Run sweep (T = 0, 0.5, 1; rejection and typical)", elem_id="sweep")
+                sweep_status = gr.Markdown()
+                sweep_plot = gr.Plot(label="sweep", elem_id="plot-sweep")
+                sweep_table = gr.Dataframe(label="per method, rule and temperature")
+                sweep_event = sweep_btn.click(GPU(handlers.sweep), [bench_set, bench_subset, bench_count,
+                                                                    bench_methods, bench_tokens],
+                                              [sweep_plot, sweep_table, sweep_status], concurrency_id="engine",
+                                              api_name="sweep")
+                bench_stop.click(None, cancels=[sweep_event])
         with gr.Tab("Learn"):
             gr.Markdown(views.learn_text(state))
         # plain typed values, so absurd ones reach the clamps

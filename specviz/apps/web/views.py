@@ -150,11 +150,13 @@ def next_step(runs: dict, method: str, step: int, delta: int) -> int:
     return min(max(int(step or 0) + delta, 1 if len(steps) > 1 else 0), max(steps, default=0))
 
 
-def benchmark_table(result: dict):
+def benchmark_table(result: dict | None):
     """τ, speedup, tok/s and identical-to-AR per method, and τ and speedup per category."""
     import pandas as pd
 
     rows = []
+    if result is None:  # before the first run: the real column names, no rows
+        return pd.DataFrame(columns=["method", "τ", "speedup", "tok/s", "identical to AR"])
     for label, m in result["methods"].items():
         row = {"method": label, "τ": round(m.get("tau", 1.0), 2), "speedup": round(m["speedup"], 2),
                "tok/s": round(m["tokens_per_s"], 1), "identical to AR": exactness_text(m)}
