@@ -203,7 +203,12 @@ def test_learn_tab_names_papers_not_internal_labels(state):
     text = learn_text(state)
     assert "seed" not in text.lower() and "HASS" in text and "Unavailable here" in text
     assert "near-tie" in text and "Budgets" in text
-    assert set(METHODS) <= set(teaching.NOTES)
+    assert set(METHODS) <= set(teaching.NOTES) and set(METHODS) <= set(teaching.DIAGRAMS)
+    from specviz.apps.web.views import method_figure
+
+    figure = method_figure("redrafter")  # inputs, drafter, proposal, target: four boxes and three arrows
+    boxes = [a.text for a in figure.layout.annotations if a.text]
+    assert len(figure.layout.shapes) == 5 and any("RNN" in b for b in boxes) and any("beams" in b for b in boxes)
 
 
 def test_the_page_builds_without_a_server(state):

@@ -181,6 +181,37 @@ def latency_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
     return fig
 
 
+def method_diagram(inputs: tuple[str, ...], drafter: str, output: str, title: str = "") -> go.Figure:
+    """What a drafter reads (left), runs (middle) and hands the target to verify in one forward (right)."""
+    fig = go.Figure()
+    boxes = [(0.0, 1 - (i + 0.5) / max(len(inputs), 1), text, "#e8f0fb") for i, text in enumerate(inputs)]
+    boxes += [(1.0, 0.5, drafter, "#fdf2dc"), (2.0, 0.5, output, "#e3f4e7"), (3.0, 0.5, "target verifies", "#eeeeee")]
+    for x, y, text, colour in boxes:
+        fig.add_shape(type="rect", x0=x - 0.42, x1=x + 0.42, y0=y - 0.17, y1=y + 0.17, fillcolor=colour,
+                      line=dict(color="#999999", width=1))
+        fig.add_annotation(x=x, y=y, text="<br>".join(_wrap(text, 24)), showarrow=False, font=dict(size=11))
+    starts = [(x, y) for x, y, _, _ in boxes[: len(inputs)]] + [(1.0, 0.5), (2.0, 0.5)]
+    ends = [(1.0, 0.5)] * len(inputs) + [(2.0, 0.5), (3.0, 0.5)]
+    for (x0, y0), (x1, y1) in zip(starts, ends):
+        fig.add_annotation(x=x1 - 0.43, y=y1, ax=x0 + 0.43, ay=y0, xref="x", yref="y", axref="x", ayref="y",
+                           showarrow=True, arrowhead=3, arrowwidth=1.5, arrowcolor="#666666", text="")
+    fig.update_xaxes(visible=False, range=[-0.5, 3.5])
+    fig.update_yaxes(visible=False, range=[-0.05, 1.05])
+    fig.update_layout(title=title, height=190, margin=dict(l=10, r=10, t=30, b=10), showlegend=False)
+    return fig
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(line) + len(word) + 1 > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    return [*lines, line] if line else lines
+
+
 def sweep_figure(rows: list[dict]) -> go.Figure:
     """Speedup and the target's log-likelihood of the output against temperature: a line per method and
     rule, solid for lossless rules, dashed for lossy ones."""

@@ -101,6 +101,26 @@ NOTES = {
 }
 UNKNOWN = Note("–", "–", "–", "–")
 
+# What each drafter reads, what it runs, and what it hands the target (the Learn tab's diagrams).
+FEATURE_IN = ("target features (last hidden state)", "next token's embedding")
+DIAGRAMS = {
+    "ar": ((), "no drafter", "nothing: the target adds one token"),
+    "pld": (("prompt + output so far",), "find the last match of the final n-gram", "chain: what followed it"),
+    "skip": (("prompt + output so far",), "the target's first N layers + its head", "chain of K tokens"),
+    "sps": (("prompt + output so far",), "a small assistant LM", "chain of K tokens (+ its distributions)"),
+    "eagle2": (FEATURE_IN, "1 decoder layer → predicted feature → target's frozen head",
+               "dynamic tree (top-k, rerank)"),
+    "hass": (FEATURE_IN, "1 decoder layer, trained on its own earlier features", "dynamic tree (top-k, rerank)"),
+    "fspad": (FEATURE_IN, "feature sampler + 1 layer, split output", "dynamic tree (top-k, rerank)"),
+    "medusa": (("target features (last hidden state)",), "K independent heads (ResBlocks)",
+               "static tree of rank paths"),
+    "redrafter": (("target features (last hidden state)", "drafted tokens"), "RNN + beam search",
+                  "beams merged into a tree"),
+    "semi-attn": (("target features h_p (once per step)", "drafted tokens"), "fixed-attention mean + head",
+                  "K-token chain"),
+    "semi-lstm": (("target features h_p (once per step)", "drafted tokens"), "2-layer LSTM + head", "K-token chain"),
+}
+
 
 def note(method: str, title: str, params: int, extra_pct: float) -> str:
     n = NOTES.get(method, UNKNOWN)

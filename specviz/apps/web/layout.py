@@ -146,7 +146,13 @@ def build_demo(state: AppState) -> gr.Blocks:
                                               api_name="sweep")
                 bench_stop.click(None, cancels=[sweep_event])
         with gr.Tab("Learn"):
-            gr.Markdown(views.learn_text(state))
+            gr.Markdown(views.learn_text(state, notes=False))
+            for name, drafter in state.drafters.items():
+                with gr.Row(equal_height=False):
+                    gr.Markdown(views.method_note(state, name), elem_classes="sv-note")
+                    gr.Plot(views.method_figure(name), show_label=False, elem_id=f"diagram-{name}")
+            if state.unavailable:
+                gr.Markdown("\n\n".join(f"### {k}\n**Unavailable here:** {v}" for k, v in state.unavailable.items()))
         # plain typed values, so absurd ones reach the clamps
         gr.api(GPU(handlers.compare), api_name="compare", concurrency_id="engine")
     return demo

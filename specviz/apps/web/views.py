@@ -167,11 +167,22 @@ def benchmark_table(result: dict | None):
     return pd.DataFrame(rows)
 
 
-def learn_text(state: AppState) -> str:
+def learn_text(state: AppState, notes: bool = True) -> str:
+    """The Learn tab's text: the papers, how to read the race, precision, budgets (and each method's note)."""
     parts = ["Papers: " + " · ".join(f"[{k}]({v})" if v else k for k, v in teaching.PAPERS.items()),
              teaching.READING, teaching.PRECISION, teaching.BUDGETS]
-    for name, drafter in state.drafters.items():
-        params = drafter.num_parameters()
-        parts.append(teaching.note(name, drafter.title, params, extra_memory_pct(params, state.target.num_parameters)))
-    parts += [f"### {k}\n**Unavailable here:** {v}" for k, v in state.unavailable.items()]
+    if notes:
+        parts += [method_note(state, name) for name in state.drafters]
+        parts += [f"### {k}\n**Unavailable here:** {v}" for k, v in state.unavailable.items()]
     return "\n\n".join(parts)
+
+
+def method_note(state: AppState, name: str) -> str:
+    drafter = state.drafters[name]
+    params = drafter.num_parameters()
+    return teaching.note(name, drafter.title, params, extra_memory_pct(params, state.target.num_parameters))
+
+
+def method_figure(name: str):
+    inputs, drafter, output = teaching.DIAGRAMS.get(name, ((), name, "draft"))
+    return render.method_diagram(inputs, drafter, output, f"{name}: what it reads, runs and proposes")
