@@ -280,6 +280,15 @@ def test_margins_are_the_targets_top2_gaps_per_emitted_token(method, target, ar_
         assert (d.kind, d.at) == (kind, at)
 
 
+def test_benches_skip_the_hover_probabilities_and_nothing_else(target, ar_outputs):
+    drafter = GREEDY_BUILDERS["eagle2"](target)
+    shown = run(target, drafter, PROMPTS[4], NEW_TOKENS[4], stop_on_eos=False)
+    bare = run(target, drafter, PROMPTS[4], NEW_TOKENS[4], stop_on_eos=False, hover=False)
+    assert bare.output_ids == shown.output_ids == ar_outputs[4]
+    assert [r.margins for r in bare.records] == [r.margins for r in shown.records]
+    assert all(bool(r.node_target_p.isnan().all()) for r in bare.records[1:] if len(r.tree))
+
+
 def test_step_records_node_probabilities(target):
     """node_target_p is the target's probability of each draft token given its parent."""
     prompt = PROMPTS[1]

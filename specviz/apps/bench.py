@@ -68,7 +68,7 @@ def _engine_runner(target: TargetModel, name: str, settings: dict, max_new_token
     drafter = build_drafter(name, target, **settings)
 
     def go(ids: list[int]) -> PromptRun:
-        result = run(target, drafter, ids, max_new_tokens, sampling)
+        result = run(target, drafter, ids, max_new_tokens, sampling, hover=False)
         return PromptRun(result.output_ids, result.wall_s, result.records)
 
     budget = {"settings": settings}

@@ -98,7 +98,7 @@ def _prompts(target: TargetModel) -> list[list[int]]:
 
 
 def _warm_up(target: TargetModel, drafter) -> list[StepRecord]:
-    return [r for ids in _prompts(target) for r in run(target, drafter, ids, WARMUP_TOKENS).records]
+    return [r for ids in _prompts(target) for r in run(target, drafter, ids, WARMUP_TOKENS, hover=False).records]
 
 
 def _propose_ms(target: TargetModel, drafter, repeats: int = 5) -> float:

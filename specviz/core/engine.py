@@ -57,11 +57,9 @@ def check_request(target: TargetModel, prompt_ids: list[int], max_new_tokens: in
 
 def shown_p(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, s: Sampling) -> torch.Tensor:
     """The target's probability of token ``cols[i]`` at verify row ``rows[i]``, as hovers show it: the
-    sampling distribution, or the softmax at T=1 when greedy (one logsumexp per row, no full softmax)."""
-    rows, cols = rows.to(logits.device), cols.to(logits.device)
-    if s.greedy:
-        return (logits[rows, cols].float() - torch.logsumexp(logits.float(), dim=-1)[rows]).exp().cpu()
-    return probabilities(logits, s)[rows, cols].cpu()
+    sampling distribution, or the softmax at T=1 when greedy."""
+    probs = torch.softmax(logits.float(), dim=-1) if s.greedy else probabilities(logits, s)
+    return probs[rows.to(logits.device), cols.to(logits.device)].cpu()
 
 
 def margins(logits: torch.Tensor, rows: list[int]) -> list[float]:
@@ -80,10 +78,12 @@ def generate(
     sampling: Sampling | None = None,
     stop_on_eos: bool = True,
     cache: DynamicCache | None = None,
+    hover: bool = True,
 ) -> Iterator[StepRecord]:
     """Yield one StepRecord for the prefill and one per verify step until EOS or the token limit.
 
-    The run's KV cache is ``cache`` (emptied first) or a new one; nothing else touches it."""
+    The run's KV cache is ``cache`` (emptied first) or a new one; nothing else touches it. ``hover``:
+    fill in the target probabilities the app shows (a softmax over every verified row; benches skip it)."""
     sampling = sampling or Sampling()
     check_request(target, prompt_ids, max_new_tokens)
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
@@ -132,7 +132,8 @@ def generate(
         with timer("other"):
             last = result.path[-1] if result.path else 0
             shown = shown_p(logits, torch.cat([tree.parents, torch.tensor([last])]),
-                            torch.cat([tree.tokens, torch.tensor([result.bonus])]), sampling)
+                            torch.cat([tree.tokens, torch.tensor([result.bonus])]), sampling) if hover \
+                else torch.full((len(tree) + 1,), float("nan"))
             new, finished = finish(committed[1:].tolist() + [result.bonus], produced)
             sequence += new
             produced += len(new)
@@ -154,8 +155,8 @@ class RunResult:
 
 
 def run(target: TargetModel, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int = 128,
-        sampling: Sampling | None = None, stop_on_eos: bool = True) -> RunResult:
+        sampling: Sampling | None = None, stop_on_eos: bool = True, hover: bool = True) -> RunResult:
     """Run a whole generation and collect its records."""
     start = time.perf_counter()
-    records = list(generate(target, drafter, prompt_ids, max_new_tokens, sampling, stop_on_eos))
+    records = list(generate(target, drafter, prompt_ids, max_new_tokens, sampling, stop_on_eos, hover=hover))
     return RunResult(drafter.name, list(prompt_ids), records, time.perf_counter() - start)
