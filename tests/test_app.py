@@ -165,6 +165,23 @@ def test_benchmark_streams_a_table_per_prompt(client):
     assert [row[0] for row in table["data"]] == ["ar", "pld"] and csv
 
 
+def test_a_full_queue_turns_callers_away_and_the_server_goes_on(tmp_path):
+    app = RunningApp(tiny_target_folder(tmp_path / "target"), SPECVIZ_QUEUE_SIZE="1")
+    try:
+        client = Client(app.url, verbose=False)
+        jobs = [client.submit("Write a long story.", ["ar", "pld"], 512, api_name="/compare") for _ in range(4)]
+        errors = []
+        for job in jobs:
+            try:
+                job.result(timeout=300)
+            except Exception as e:  # noqa: BLE001 - the queue's refusal arrives as the client's exception
+                errors.append(str(e))
+        assert errors and all("queue is full" in e.lower() for e in errors), errors
+        assert client.predict("Say hi.", ["ar"], 3, api_name="/compare")["methods"]["ar"]["metrics"]["new_tokens"] == 3
+    finally:
+        app.close()
+
+
 def test_a_target_that_cannot_load_is_a_clear_exit(tmp_path):
     env = {**os.environ, "SPECVIZ_TARGET": str(tmp_path / "no-model-here"), "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(ROOT / "app.py")], env=env, capture_output=True, text=True, timeout=300)

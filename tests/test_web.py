@@ -187,6 +187,15 @@ def test_the_benchmark_tab_shows_real_headers_and_runs_a_temperature_sweep(handl
     assert {t.name for t in figure.data} >= {"pld · lossless", "pld · lossy (typical)"}
 
 
+def test_compare_stops_at_its_budget_with_a_note(handlers, monkeypatch):
+    import specviz.apps.web.handlers as module
+
+    monkeypatch.setattr(module, "COMPARE_BUDGET_S", 0.0)
+    out = handlers.compare("Write a long story.", ["ar", "pld"], 200)
+    assert any("stopped at this API's budget" in n for n in out["notes"])
+    assert all(m["metrics"]["new_tokens"] < 200 for m in out["methods"].values())
+
+
 def test_presets_set_the_sliders(handlers, state):
     specs = handlers.specs
     fastest, paper = handlers.preset("fastest"), handlers.preset("paper")
