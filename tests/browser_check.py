@@ -88,6 +88,36 @@ def set_slider(page, elem_id: str, value: int) -> None:
     number.press("Enter")
 
 
+def check_controls(page, method: str, methods: list[str], timeout: float) -> dict:
+    """The presets move a slider; the typical rule shows as lossy; Stop ends a long run with a note."""
+    size = f"#set-{method}-total_tokens input[type=number]"  # the paper's 60 is never a tuned size
+    page.get_by_text(f"{method} settings", exact=True).click()  # open its accordion
+    page.wait_for_selector(size, timeout=timeout)
+    before = page.locator(size).input_value()
+    page.locator("#preset-paper").click()
+    page.wait_for_function(f"document.querySelector('{size}').value === '60'", timeout=timeout)
+    paper = page.locator(size).input_value()
+    page.locator("#preset-fastest").click()
+    page.wait_for_function(f"document.querySelector('{size}').value === '{before}'", timeout=timeout)
+    page.locator("#rule input").click()
+    page.get_by_role("option", name="typical acceptance (LOSSY)").click()
+    set_slider(page, "max-new", 6)
+    page.locator("#run").click()
+    page.wait_for_function(f"document.querySelector('#col-{methods[-1]} .sv-head')?.innerText.includes('lossy')",
+                           timeout=timeout)
+    lossy = page.locator(f"#col-{methods[-1]} .sv-head").inner_text()
+    page.wait_for_function("document.querySelector('#message')?.innerText.includes('lossy')", timeout=timeout)
+    page.locator("#rule input").click()
+    page.get_by_role("option", name="auto: greedy at T=0, else rejection sampling (lossless)").click()
+    set_slider(page, "max-new", 512)
+    page.locator("#run").click()
+    page.wait_for_function(f"document.querySelector('#col-{methods[0]} .sv-head[data-done=\"0\"]')",
+                           timeout=timeout)  # the long run has started
+    page.locator("#stop").click()
+    page.wait_for_function("document.querySelector('#message')?.innerText.includes('Stopped:')", timeout=timeout)
+    return {"total_tokens": [before, paper], "lossy_head": lossy, "stopped": page.locator("#message").inner_text()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("url")
@@ -100,6 +130,8 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="also report chromium's CPU seconds from Run to done")
     p.add_argument("--layout-widths", default="", help="window widths at which to check the columns' layout")
     p.add_argument("--step-through", default="", help="methods to walk in the step-through view (arrow keys)")
+    p.add_argument("--controls", default="", help="a method with a paper preset: also check the presets, the "
+                                                  "rule selector and Stop")
     args = p.parse_args()
     methods = args.methods.split(",")
     timeout = args.timeout * 1000
@@ -155,6 +187,8 @@ def main() -> None:
                                    f" || document.querySelector('#step-info').innerText !== {json.dumps(first)}",
                                    timeout=timeout)
             seen["steps"][m] = [first, page.locator("#step-info").inner_text()]
+        if args.controls:
+            seen["controls"] = check_controls(page, args.controls, methods, timeout)
         seen["layout"] = {}
         for width in [int(w) for w in args.layout_widths.split(",") if w]:
             page.set_viewport_size({"width": width, "height": 1900})

@@ -60,7 +60,7 @@ def test_every_method_in_columns_that_never_overlap(tmp_path):
     try:
         done = subprocess.run([sys.executable, str(ROOT / "tests" / "browser_check.py"), app.url,
                                "--methods", ",".join(METHODS), "--max-new-tokens", "24", "--layout-widths", "1280,1920",
-                               "--step-through", "eagle2,redrafter",
+                               "--step-through", "eagle2,redrafter", "--controls", "eagle2",
                                "--screenshot", str(ARTIFACTS / "app-all.png")],
                               capture_output=True, text=True, timeout=900)
     finally:
@@ -77,3 +77,6 @@ def test_every_method_in_columns_that_never_overlap(tmp_path):
         first, second = seen["steps"][m]
         assert f"{m} · step" in first and "Time: draft" in first and second != first, (m, first, second)
     assert "beams of" in seen["steps"]["redrafter"][0] + seen["steps"]["redrafter"][1]
+    controls = seen["controls"]  # a preset switch and back, the rule selector, Stop
+    assert controls["total_tokens"][1] == "60" and controls["total_tokens"][0] != "60", controls
+    assert "lossy" in controls["lossy_head"] and "Stopped:" in controls["stopped"], controls

@@ -70,7 +70,8 @@ def build_demo(state: AppState) -> gr.Blocks:
             with gr.Row():
                 for method in dict.fromkeys(s.method for s in specs):
                     with gr.Accordion(f"{method} settings", open=False):
-                        setting_inputs += [gr.Slider(s.low, s.high, value=s.default, step=1, label=s.name)
+                        setting_inputs += [gr.Slider(s.low, s.high, value=s.default, step=1, label=s.name,
+                                                     elem_id=f"set-{s.method}-{s.name}")
                                            for s in specs if s.method == method]
             fastest.click(lambda: handlers.preset("fastest"), None, setting_inputs, **private)
             paper.click(lambda: handlers.preset("paper"), None, setting_inputs, **private)
