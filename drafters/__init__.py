@@ -9,6 +9,7 @@ from .ar import AutoregressiveDrafter
 from .eagle2 import Eagle2Drafter, TreeSettings
 from .fspad import FspadDrafter
 from .hass import HassDrafter
+from .lookahead import LookaheadDrafter, LookaheadSettings
 from .medusa import MedusaDrafter, MedusaSettings
 from .pld import PromptLookupDrafter, PromptLookupSettings
 from .redrafter import RedrafterDrafter, RedrafterSettings
@@ -20,6 +21,7 @@ from .sps import AssistantDrafter, AssistantSettings
 METHODS: dict[str, tuple[type[Drafter], type[Settings]]] = {
     "ar": (AutoregressiveDrafter, Settings),
     "pld": (PromptLookupDrafter, PromptLookupSettings),
+    "lookahead": (LookaheadDrafter, LookaheadSettings),
     "skip": (SkipLayerDrafter, SkipSettings),
     "sps": (AssistantDrafter, AssistantSettings),
     "eagle2": (Eagle2Drafter, TreeSettings),

@@ -140,3 +140,34 @@ def test_chain_lm_keeps_only_the_shared_prefix_cached(tiny_llama):
     assert drafter.cached[:6] == [1, 2, 3, 9, 9, 9] and drafter.cache.get_seq_length() == len(drafter.cached)
     drafter.reset()
     assert drafter.cached == [] and drafter.cache.get_seq_length() == 0
+
+
+def test_lookahead_tree_is_the_jacobi_window_plus_pooled_ngrams(tiny_target):
+    """Level 0 is a chain off the root; each later level hangs one node under each column (so a node at
+    column j, level l sees level 0 up to j and its own column: depth j + 1 + l); pooled n-grams that start
+    with the root come first, merged where they share a prefix; the target's next tokens make the next level."""
+    from drafters.lookahead import LookaheadDrafter
+    from specviz.core.protocol import Commit
+
+    target = tiny_target(vocab_size=16)
+    drafter = build_drafter("lookahead", target, window=3, ngram=3, guesses=2)
+    assert isinstance(drafter, LookaheadDrafter)
+    drafter.observe(Commit(torch.tensor([5, 6, 7]), torch.zeros(3, 64), 9))  # the prefill
+    assert len(drafter.levels[0]) == 3 and set(drafter.levels[0]) <= {5, 6, 7}  # guesses taken from the prompt
+    drafter.levels = [level0 := [5, 6, 7]]
+    tree = drafter.propose(DraftRequest([5, 6, 7, 9], max_depth=16, sampling=Sampling()))
+    assert tree.tokens.tolist() == level0 and tree.parents.tolist() == [0, 1, 2]  # no pool yet: the window only
+    top = torch.tensor([1, 11, 12, 13])  # the target's next token after the root and each level-0 node
+    drafter.observe(Commit(torch.tensor([9]), torch.zeros(1, 64), 1, top))
+    assert drafter.levels == [level0, [11, 12, 13]]
+    tree = drafter.propose(DraftRequest([5, 6, 7, 9, 1], max_depth=16, sampling=Sampling()))
+    assert tree.parents.tolist() == [0, 1, 2, 1, 2, 3] and tree.depths.tolist() == [1, 2, 3, 2, 3, 4]
+    top = torch.tensor([2, 0, 0, 0, 21, 22, 23])
+    drafter.observe(Commit(torch.tensor([1]), torch.zeros(1, 64), 2, top))  # full levels: n-grams go to the pool
+    assert drafter.pool == {5: [(11, 21)], 6: [(12, 22)], 7: [(13, 23)]}
+    assert drafter.levels == [[11, 12, 13], [21, 22, 23]]
+    tree = drafter.propose(DraftRequest([5, 6, 7, 9, 1, 6], max_depth=16, sampling=Sampling()))
+    assert tree.tokens.tolist()[:2] == [12, 22] and tree.info["candidates"] == 2  # the n-gram after root 6
+    assert tree.parents.tolist()[:2] == [0, 1] and tree.info["lookahead"] == 6
+    short = drafter.propose(DraftRequest([5, 6, 7, 9, 1, 11], max_depth=2, sampling=Sampling()))
+    assert short.max_depth <= 2  # nothing the run could never use

@@ -44,7 +44,8 @@ def assert_same_as_ar(target, prompt, output, reference):
 
 @pytest.mark.parametrize(
     "method,settings",
-    [("pld", {}), ("pld", {"num_tokens": 10, "max_ngram": 2}), ("skip", {"layers": 12, "num_tokens": 3})],
+    [("pld", {}), ("pld", {"num_tokens": 10, "max_ngram": 2}), ("skip", {"layers": 12, "num_tokens": 3}),
+     ("lookahead", {}), ("lookahead", {"window": 8, "ngram": 4, "guesses": 8})],
 )
 def test_method_equals_ar(target, prompts, method, settings):
     drafter = build_drafter(method, target, **settings)

@@ -111,6 +111,7 @@ def trained(target, method: str, **settings):
 GREEDY_BUILDERS = {
     "ar": lambda t: build_drafter("ar", t),
     "pld": lambda t: build_drafter("pld", t),
+    "lookahead": lambda t: build_drafter("lookahead", t, window=4, ngram=3, guesses=4),
     "skip": lambda t: build_drafter("skip", t, layers=2, num_tokens=3),
     "sps": lambda t: AssistantDrafter(t, AssistantSettings(num_tokens=3), model=noisy_copy(t.model, 0.03, 1)),
     "eagle2": lambda t: trained(t, "eagle2", depth=4, top_k=3, total_tokens=10),
@@ -460,6 +461,14 @@ def test_tree_sampling_matches_target_distribution(sampling_target, exact_distri
 def test_trained_tree_sampling_matches_target_distribution(method, settings, sampling_target, exact_distributions):
     """Trained tree drafters (deterministic top-k / beam children) under T=1 sampling."""
     drafter = trained(sampling_target, method, **settings)
+    outputs = sample_outputs(sampling_target, lambda seed: drafter, SAMPLING_RUNS // 2)
+    pvalues = target_pvalues(outputs, exact_distributions)
+    assert min(pvalues.values()) > 1e-3, pvalues
+
+
+def test_lookahead_sampling_matches_target_distribution(sampling_target, exact_distributions):
+    """Lookahead's two branches are fixed children of one tree: rejection sampling keeps the target's law."""
+    drafter = build_drafter("lookahead", sampling_target, window=3, ngram=2, guesses=3)
     outputs = sample_outputs(sampling_target, lambda seed: drafter, SAMPLING_RUNS // 2)
     pvalues = target_pvalues(outputs, exact_distributions)
     assert min(pvalues.values()) > 1e-3, pvalues

@@ -136,6 +136,10 @@ def step_detail(record: StepRecord, decode, before: list[int], label: str = "", 
         w, n = info["beams"].shape
         parts.append(f"<p>{w} beams of {n} tokens merged into {len(tree)} nodes (compression "
                      f"{info['compression']:.2f}): shared prefixes are verified once.</p>")
+    if "lookahead" in info:
+        parts.append(f"<p>Lookahead: {info['candidates']} node(s) of pooled n-grams that start with the last "
+                     f"token, and the Jacobi window ({info['levels']} level(s) × {info['window']} columns, "
+                     f"{info['lookahead']} nodes) whose next tokens become the next level.</p>")
     if "choices" in info:
         parts.append(f"<p>Medusa's static tree: {len(info['choices'])} rank paths chosen from the heads' "
                      "validation accuracy; every step uses the same shape.</p>")

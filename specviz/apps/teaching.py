@@ -16,6 +16,8 @@ PAPERS = {
         "https://arxiv.org/abs/2406.16858",
     "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads (Cai et al., 2024)":
         "https://arxiv.org/abs/2401.10774",
+    "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding (Fu et al., 2024)":
+        "https://arxiv.org/abs/2402.02057",
 }
 
 READING = (
@@ -65,6 +67,11 @@ NOTES = {
     "pld": Note("the prompt and output so far: the continuation after the last matching n-gram", "none",
                 "prompt lookup decoding (Saxena, 2023); transformers' `prompt_lookup_num_tokens`",
                 "long green runs when the answer copies the prompt (code edits, summaries), nothing otherwise."),
+    "lookahead": Note("the target itself: Jacobi iterations on a window of future positions, run in the same "
+                      "forward as verification, feed a pool of n-grams", "none",
+                      "Lookahead decoding (Fu et al., 2024), a baseline of HASS, FSPAD and Spec-Bench",
+                      "the first steps only warm the window up; then pooled n-grams that start with the last token "
+                      "are verified. The tree view shows both branches: the n-gram candidates and the Jacobi window."),
     "skip": Note("the target's own first N layers + final norm + LM head (a self-draft)", "none",
                  "LayerSkip-style self-speculation (a baseline of semi-autoregressive drafting)",
                  "draft cost grows with N; α falls as N shrinks. The latency plot shows the trade."),
@@ -106,6 +113,8 @@ FEATURE_IN = ("target features (last hidden state)", "next token's embedding")
 DIAGRAMS = {
     "ar": ((), "no drafter", "nothing: the target adds one token"),
     "pld": (("prompt + output so far",), "find the last match of the final n-gram", "chain: what followed it"),
+    "lookahead": (("the target's own guesses (Jacobi window)", "n-gram pool"), "Jacobi update in the verify forward",
+                  "n-grams after the root + the window"),
     "skip": (("prompt + output so far",), "the target's first N layers + its head", "chain of K tokens"),
     "sps": (("prompt + output so far",), "a small assistant LM", "chain of K tokens (+ its distributions)"),
     "eagle2": (FEATURE_IN, "1 decoder layer → predicted feature → target's frozen head",

@@ -128,7 +128,7 @@ def generate(
             target.commit(cache, past, keep)
         with timer("draft"):
             committed = tree.input_ids(sequence[-1])[keep]
-            drafter.observe(Commit(committed, feats[keep], result.bonus))
+            drafter.observe(Commit(committed, feats[keep], result.bonus, logits.argmax(-1).cpu()))
         with timer("other"):
             last = result.path[-1] if result.path else 0
             shown = shown_p(logits, torch.cat([tree.parents, torch.tensor([last])]),

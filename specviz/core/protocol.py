@@ -23,6 +23,7 @@ class Commit:
     tokens: torch.Tensor  # [T] the prompt after prefill; root + accepted drafts after a step
     features: torch.Tensor  # [T, H] the target's features there (its final-norm output, see core.target)
     pending: int  # the target's newest token, the root of the next draft tree
+    verified_top: torch.Tensor | None = None  # [N+1] the target's top token after every verified node, root first
 
 
 @dataclass
