@@ -2,7 +2,8 @@
 
 First use measures the verify-cost curve (``profile``) and AR's own per-step overhead, then warms each
 method up on two short fixed prompts at its largest budget (the acceptance every smaller budget would
-have had follows, ``core.budget``) and times one draft alone at every depth of its grid. The results
+have had follows, ``core.budget``) and times one draft alone at its shallowest and deepest budget (a
+draft costs about one drafter pass per depth, so the depths between are interpolated). The results
 are cached per machine, target, dtype, device and checkpoint.
 """
 
@@ -54,7 +55,9 @@ class Tuned:
         return self.expected_speedup < 1.0
 
     def describe(self) -> str:
-        budget = ", ".join(f"{k} {v}" for k, v in self.settings.items()) or "no draft"
+        if not self.settings:
+            return f"{self.method}: no budget to tune (it runs at its own settings)"
+        budget = ", ".join(f"{k} {v}" for k, v in self.settings.items())
         verdict = " (still slower than AR on this machine)" if self.slower_than_ar else ""
         return (f"{self.method}: {budget}; expected τ {self.expected_tau:.2f}, "
                 f"{self.expected_speedup:.2f}x AR{verdict}")
@@ -152,14 +155,14 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
     def measure() -> dict:
         start, options = time.perf_counter(), []
         for grid in grids:
-            deepest = max(grid.depths)
-            records = _warm_up(target, build_drafter(name, target, **given, **grid.settings(deepest)))
-            propose = {d: _propose_ms(target, build_drafter(name, target, **given, **grid.settings(d)))
-                       for d in grid.depths}
-            observe = max(_per_step(records, "draft") - propose[deepest], 0.0)  # feeding what was accepted
+            low, high = min(grid.depths), max(grid.depths)
+            records = _warm_up(target, build_drafter(name, target, **given, **grid.settings(high)))
+            ends = [_propose_ms(target, build_drafter(name, target, **given, **grid.settings(d))) for d in (low, high)]
+            observe = max(_per_step(records, "draft") - ends[1], 0.0)  # feeding what was accepted
             other = _per_step(records, "accept", "other")
-            for settings, depth, size in grid.candidates():
-                options.append(Option(settings, estimate(records, depth, size), observe + propose[depth], other))
+            for settings, depth, size in grid.candidates():  # a draft costs about one pass per depth: linear
+                propose = ends[0] + (ends[1] - ends[0]) * (depth - low) / max(high - low, 1)
+                options.append(Option(settings, estimate(records, depth, size), observe + propose, other))
         best: Budget = choose(options, curve, ar_other)
         return {**asdict(best), "seconds": time.perf_counter() - start}
 
