@@ -40,6 +40,16 @@ def test_the_chooser_picks_the_known_optimum():
     assert best.expected_speedup == pytest.approx(3.3616 / 14 * 10) and not best.slower_than_ar
 
 
+def test_trees_pay_the_tree_curve_and_chains_the_chain_curve():
+    """A tree's verify takes a 4D mask, another attention path: on this CPU it costs more than a chain."""
+    chain_curve, tree_curve = VerifyCurve((1, 8), (10.0, 10.0)), VerifyCurve((1, 8), (10.0, 31.0))
+    chain = Option({"shape": "chain"}, Estimate(2.0, 3), draft_ms=0.0, chain=True)
+    tree = Option({"shape": "tree"}, Estimate(2.5, 3), draft_ms=0.0)
+    assert choose([chain, tree], chain_curve).settings == {"shape": "tree"}  # one curve for both: the tree wins
+    best = choose([chain, tree], chain_curve, tree_curve=tree_curve)  # the tree's 4 tokens cost 19 ms
+    assert best.settings == {"shape": "chain"} and best.step_ms == pytest.approx(10.0)
+
+
 def test_a_budget_slower_than_ar_says_so():
     curve = VerifyCurve((1, 2), (10.0, 30.0))  # every extra token triples the verify
     options = [Option({"num_tokens": n}, Estimate(1 + 0.1 * n, n), draft_ms=2.0) for n in (1, 2)]

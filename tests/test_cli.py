@@ -183,6 +183,9 @@ def test_profile_curve(tiny_folder, tmp_path, capsys):
                  "--out", str(out)]) == 0
     curve = json.loads(out.read_text())["curve"]
     assert [r["tokens"] for r in curve] == [1, 2, 4, 8] and all(r["ms"] > 0 for r in curve)
+    assert main(["profile", "--target", tiny_folder, "--context", "16", "--max-size", "4", "--repeats", "1",
+                 "--tree", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["shape"] == "tree"
 
 
 @pytest.mark.parametrize(

@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--context", type=int, default=256)
     pr.add_argument("--max-size", type=int, default=64)
     pr.add_argument("--repeats", type=int, default=7)
+    pr.add_argument("--tree", action="store_true", help="verify trees (a 4D mask) instead of chains")
     pr.add_argument("--out", default=None)
 
     rep = sub.add_parser("report", help="a results.json from bench as a Markdown table")
@@ -254,8 +255,9 @@ def cmd_profile(args) -> None:
     while sizes[-1] * 2 <= args.max_size:
         sizes.append(sizes[-1] * 2)
     target = load_target(args.target, args.dtype, args.device)
-    result = profile(target, args.context, sizes, args.repeats)
-    print(f"verify cost on {result['machine']} ({result['dtype']}, {args.context} cached tokens):")
+    result = profile(target, args.context, sizes, args.repeats, tree=args.tree)
+    print(f"verify cost of a {result['shape']} on {result['machine']} ({result['dtype']}, "
+          f"{args.context} cached tokens):")
     for row in result["curve"]:
         print(f"  {row['tokens']:3d} tokens: {row['ms']:7.1f} ms  ({row['relative_to_1']:.2f}x one token)")
     if args.out:
@@ -413,10 +415,11 @@ def cmd_tune(args) -> None:
     for name in names:
         if name not in METHODS:
             raise SpecvizError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    curve, ar_other = machine_costs(target, args.refresh)
-    print(f"verify cost ({str(target.dtype).replace('torch.', '')}, {target.device}): "
-          + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in zip(curve.tokens, curve.ms))
-          + f"; AR's own per-step overhead {ar_other:.1f} ms")
+    costs = machine_costs(target, args.refresh)
+    for shape, curve in (("chain", costs.chain), ("tree", costs.tree)):
+        print(f"verify cost of a {shape} ({str(target.dtype).replace('torch.', '')}, {target.device}): "
+              + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in zip(curve.tokens, curve.ms)))
+    print(f"AR's own per-step overhead {costs.ar_other_ms:.1f} ms")
     for name in names:
         try:
             tuned = tune(target, name, refresh=args.refresh)

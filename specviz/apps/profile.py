@@ -16,8 +16,10 @@ from specviz.core.tree import DraftTree
 from .bench import machine_description
 
 
-def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 7) -> dict:
-    """Median ms of one target forward verifying n tokens after ``context`` cached tokens."""
+def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 7,
+            tree: bool = False) -> dict:
+    """Median ms of one target forward verifying n tokens after ``context`` cached tokens: a chain (plain
+    causal attention), or with ``tree`` a tree (every node a child of the root: the 4D-mask path trees take)."""
     if context < 1 or context + max(sizes) > target.max_length:
         raise SettingsError(f"context must be in [1, {target.max_length - max(sizes)}], got {context}")
     gen = torch.Generator().manual_seed(0)
@@ -26,11 +28,12 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
     target.prefill(prompt, cache)
     rows = []
     for n in tqdm(sizes, desc="profile", unit="size"):
-        tree = DraftTree.chain(torch.randint(0, target.vocab_size, (n - 1,), generator=gen))
+        tokens = torch.randint(0, target.vocab_size, (n - 1,), generator=gen)
+        draft = DraftTree(tokens, torch.zeros(n - 1, dtype=torch.long)) if tree and n > 2 else DraftTree.chain(tokens)
         times = []
         for i in range(repeats + 1):
             start = now(target.device)
-            target.verify(prompt[-1], tree, cache)
+            target.verify(prompt[-1], draft, cache)
             elapsed = now(target.device) - start
             cache.crop(-n)
             if i:  # the first call warms up
@@ -40,4 +43,5 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
     for r in rows:
         r["relative_to_1"] = r["ms"] / base
     return {"target": target.name, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
-            "context": context, "machine": machine_description(), "date": time.strftime("%Y-%m-%d"), "curve": rows}
+            "context": context, "shape": "tree" if tree else "chain", "machine": machine_description(),
+            "date": time.strftime("%Y-%m-%d"), "curve": rows}

@@ -122,18 +122,26 @@ def _per_step(records: list[StepRecord], *phases: str) -> float:
     return 1000 * sum(getattr(r.timings, p) for r in steps for p in phases) / max(len(steps), 1)
 
 
-def machine_costs(target: TargetModel, refresh: bool = False) -> tuple[VerifyCurve, float]:
-    """The verify-cost curve and AR's per-step overhead (ms), measured once per machine and target."""
+@dataclass(frozen=True)
+class MachineCosts:
+    chain: VerifyCurve  # ms to verify n tokens as a chain (plain causal attention)
+    tree: VerifyCurve  # ... as a tree (a 4D mask: another attention path, slower on some CPUs)
+    ar_other_ms: float  # AR's own per-step overhead besides the verify
+
+
+def machine_costs(target: TargetModel, refresh: bool = False) -> MachineCosts:
+    """The verify-cost curves and AR's per-step overhead, measured once per machine and target."""
     def measure() -> dict:
-        curve = profile(target, context=min(256, target.max_length - 80), sizes=(1, 2, 4, 8, 16, 32, 64),
-                        repeats=5)["curve"]
+        sizes, context = (1, 2, 4, 8, 16, 32, 64), min(256, target.max_length - 80)
+        curves = {shape: profile(target, context, sizes, repeats=5, tree=shape == "tree")["curve"]
+                  for shape in ("chain", "tree")}
         ar = _warm_up(target, build_drafter("ar", target))
-        return {"curve": [[r["tokens"], r["ms"]] for r in curve],
+        return {**{shape: [[r["tokens"], r["ms"]] for r in c] for shape, c in curves.items()},
                 "ar_other_ms": _per_step(ar, "draft", "accept", "other")}
 
-    value, _ = _cached(f"machine-{machine_key(target)}", measure, refresh)
-    tokens, ms = zip(*value["curve"])
-    return VerifyCurve(tuple(tokens), tuple(ms)), value["ar_other_ms"]
+    value, _ = _cached(f"costs-{machine_key(target)}", measure, refresh)
+    chain, tree = (VerifyCurve(*map(tuple, zip(*value[shape]))) for shape in ("chain", "tree"))
+    return MachineCosts(chain, tree, value["ar_other_ms"])
 
 
 def _checkpoint_id(name: str, settings: dict) -> str:
@@ -149,7 +157,7 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
     grids = METHODS[name][1].budget_grids(target)
     if not grids:
         return Tuned(name, {}, 1.0, 1.0, 0.0)
-    curve, ar_other = machine_costs(target, refresh)
+    costs = machine_costs(target, refresh)
     key = json.dumps([machine_key(target), name, sorted(given.items()), _checkpoint_id(name, given)], default=str)
 
     def measure() -> dict:
@@ -160,10 +168,11 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
             ends = [_propose_ms(target, build_drafter(name, target, **given, **grid.settings(d))) for d in (low, high)]
             observe = max(_per_step(records, "draft") - ends[1], 0.0)  # feeding what was accepted
             other = _per_step(records, "accept", "other")
+            chain = grid.size_key is None and dict(grid.fixed).get("width", 1) == 1
             for settings, depth, size in grid.candidates():  # a draft costs about one pass per depth: linear
                 propose = ends[0] + (ends[1] - ends[0]) * (depth - low) / max(high - low, 1)
-                options.append(Option(settings, estimate(records, depth, size), observe + propose, other))
-        best: Budget = choose(options, curve, ar_other)
+                options.append(Option(settings, estimate(records, depth, size), observe + propose, other, chain))
+        best: Budget = choose(options, costs.chain, costs.ar_other_ms, costs.tree)
         return {**asdict(best), "seconds": time.perf_counter() - start}
 
     value, cached = _cached(f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}", measure, refresh)

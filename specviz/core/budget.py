@@ -88,6 +88,7 @@ class Option:
     estimate: Estimate
     draft_ms: float
     other_ms: float = 0.0
+    chain: bool = False  # verified as a chain (plain causal attention) rather than a tree (a 4D mask)
 
 
 @dataclass(frozen=True)
@@ -102,15 +103,18 @@ class Budget:
         return self.expected_speedup < 1.0
 
 
-def step_ms(option: Option, curve: VerifyCurve) -> float:
-    return option.draft_ms + curve(option.estimate.nodes + 1) + option.other_ms
+def step_ms(option: Option, curve: VerifyCurve, tree_curve: VerifyCurve | None = None) -> float:
+    verify = curve if option.chain or tree_curve is None else tree_curve
+    return option.draft_ms + verify(option.estimate.nodes + 1) + option.other_ms
 
 
-def choose(options: Sequence[Option], curve: VerifyCurve, ar_other_ms: float = 0.0) -> Budget:
-    """The option with the most expected tokens per second, and its expected speedup over AR."""
+def choose(options: Sequence[Option], curve: VerifyCurve, ar_other_ms: float = 0.0,
+           tree_curve: VerifyCurve | None = None) -> Budget:
+    """The option with the most expected tokens per second, and its expected speedup over AR. ``curve``
+    is the cost of verifying a chain; ``tree_curve``, where given, of a tree (its attention takes a mask)."""
     if not options:
         raise ValueError("no budget to choose from")
-    best = max(options, key=lambda o: o.estimate.tokens / step_ms(o, curve))
-    ms = step_ms(best, curve)
+    best = max(options, key=lambda o: o.estimate.tokens / step_ms(o, curve, tree_curve))
+    ms = step_ms(best, curve, tree_curve)
     ar_ms = curve(1) + ar_other_ms
     return Budget(best.settings, best.estimate.tokens, ms, best.estimate.tokens / ms * ar_ms)
