@@ -52,7 +52,7 @@ def test_max_new_tokens_beyond_context(target):
 
 
 def test_unknown_method(target):
-    with pytest.raises(SettingsError, match="unknown method 'nope'; choose from ar, pld, skip, sps"):
+    with pytest.raises(SettingsError, match="unknown method 'nope'; choose from ar, pld, lookahead, skip, sps"):
         build_drafter("nope", target)
 
 
