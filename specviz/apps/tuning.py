@@ -24,7 +24,7 @@ from drafters.trained import TrainedDrafter
 from specviz.core.budget import Budget, Option, VerifyCurve, choose, estimate
 from specviz.core.engine import StepRecord, generate, output_ids, run
 from specviz.core.errors import SettingsError
-from specviz.core.load import cache_dir, cpu_flags
+from specviz.core.load import cache_dir, cpu_flags, cpuinfo
 from specviz.core.metrics import decode_steps
 from specviz.core.protocol import DraftRequest
 from specviz.core.target import TargetModel
@@ -63,17 +63,9 @@ class Tuned:
                 f"{self.expected_speedup:.2f}x AR{verdict}")
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
-
-
 def machine_key(target: TargetModel) -> str:
     on_cpu = target.device.type == "cpu"
-    cpu = [cpu_model(), sorted(cpu_flags() & {"amx_bf16", "avx512_bf16", "avx2"})] if on_cpu else []
+    cpu = [cpuinfo("model name"), sorted(cpu_flags() & {"amx_bf16", "avx512_bf16", "avx2"})] if on_cpu else []
     facts = [machine_description(), *cpu, target.name, str(target.dtype), str(target.device), target.num_parameters]
     return hashlib.sha1(json.dumps(facts, default=str).encode()).hexdigest()[:12]
 

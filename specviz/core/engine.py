@@ -62,12 +62,13 @@ def shown_p(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, s: Sam
     return probs[rows.to(logits.device), cols.to(logits.device)].cpu()
 
 
-def margins(logits: torch.Tensor, rows: list[int]) -> list[float]:
-    """The target's top-1 minus top-2 logit at each verify row: how close its choice came to a tie."""
+def top_two(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over the verify logits [N+1, V]: the target's top token at every row, and its margin (top-1
+    minus top-2 logit: how close its choice came to a tie), both on the CPU."""
     if logits.shape[-1] < 2:
-        return [float("inf")] * len(rows)
-    top = logits[rows].float().topk(2, dim=-1).values
-    return (top[:, 0] - top[:, 1]).tolist()
+        return logits.argmax(-1).cpu(), torch.full((logits.shape[0],), float("inf"))
+    values, indices = logits.topk(2, dim=-1)
+    return indices[:, 0].cpu(), (values[:, 0] - values[:, 1]).float().cpu()
 
 
 def generate(
@@ -111,7 +112,7 @@ def generate(
     tokens, finished = finish([first], 0)
     p_first = float(shown_p(logits[None], torch.zeros(1, dtype=torch.long), torch.tensor([first]), sampling)[0])
     yield StepRecord(0, DraftTree.empty(), [], tokens, first, torch.zeros(0), p_first, timer.timings, finished,
-                     margins(logits[None], [0]))
+                     top_two(logits[None])[1].tolist())
     sequence, produced, step = list(prompt_ids) + tokens, len(tokens), 0
     while finished is None:
         step += 1
@@ -128,7 +129,8 @@ def generate(
             target.commit(cache, past, keep)
         with timer("draft"):
             committed = tree.input_ids(sequence[-1])[keep]
-            drafter.observe(Commit(committed, feats[keep], result.bonus, logits.argmax(-1).cpu()))
+            top, gap = top_two(logits)
+            drafter.observe(Commit(committed, feats[keep], result.bonus, top))
         with timer("other"):
             last = result.path[-1] if result.path else 0
             shown = shown_p(logits, torch.cat([tree.parents, torch.tensor([last])]),
@@ -137,7 +139,7 @@ def generate(
             new, finished = finish(committed[1:].tolist() + [result.bonus], produced)
             sequence += new
             produced += len(new)
-            gaps = margins(logits, keep)[: len(new)]  # row keep[i] chose emitted token i
+            gaps = gap[keep].tolist()[: len(new)]  # row keep[i] chose emitted token i
         yield StepRecord(step, tree, result.path, new, result.bonus, shown[:-1], float(shown[-1]), timer.timings,
                          finished, gaps)
 

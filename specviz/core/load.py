@@ -76,12 +76,17 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def cpu_flags() -> set[str]:
+def cpuinfo(field: str) -> str:
+    """The first ``field`` line of /proc/cpuinfo ("flags", "model name"), or "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), "")
     except OSError:
-        return set()
+        return ""
+
+
+def cpu_flags() -> set[str]:
+    return set(cpuinfo("flags").split())
 
 
 def fast_dtype(device: str | torch.device | None = None) -> torch.dtype:

@@ -107,22 +107,10 @@ class Handlers:
     def benchmark(self, question_set: str, subset: str, count: int, methods: list[str], max_new_tokens: int,
                   progress=gr.Progress(track_tqdm=True)):
         """The engine's bench on a subset, streamed prompt by prompt: τ and speedup per method × category."""
-        state, notes = self.state, []
-        if question_set not in BUILTIN:  # the page offers the built-in sets only: no paths
-            raise gr.Error(f"questions must be one of {', '.join(BUILTIN)}")
-        if not isinstance(methods, (list, tuple)) or not all(isinstance(m, str) for m in methods):
-            raise gr.Error("methods must be a list of method names")
-        picked = [m for m in (methods or []) if m in state.drafters]
-        notes += [f"{m} is unavailable: {state.unavailable[m]}" for m in (methods or []) if m in state.unavailable]
-        if not picked:
-            raise gr.Error("Pick at least one available method.")
-        count = clamp("questions", count, 1, 80, 8, notes)
-        max_new_tokens = clamp("max new tokens", max_new_tokens, 1, MAX_NEW_TOKENS, 128, notes)
+        state = self.state
         try:
-            if subset == "per category":
-                questions = load_questions(question_set, per_category=count)
-            else:
-                questions = load_questions(question_set, limit=count)
+            questions, picked, max_new_tokens, notes = self._bench_request(question_set, subset, count, methods,
+                                                                           max_new_tokens, (8, 128))
             steps = state.on_engine_thread(bench_steps(state.target, picked, questions, max_new_tokens=max_new_tokens))
             folder, deadline = tempfile.mkdtemp(), time.perf_counter() + BENCH_BUDGET_S
             for result in steps:
@@ -138,6 +126,23 @@ class Handlers:
         except SpecvizError as e:
             raise gr.Error(str(e)) from None
 
+    def _bench_request(self, question_set, subset, count, methods, max_new_tokens, defaults: tuple[int, int]):
+        """A Benchmark-tab request checked and clamped: (questions, available methods, token limit, notes)."""
+        state, notes = self.state, []
+        if question_set not in BUILTIN:  # the page offers the built-in sets only: no paths
+            raise gr.Error(f"questions must be one of {', '.join(BUILTIN)}")
+        if not isinstance(methods, (list, tuple)) or not all(isinstance(m, str) for m in methods):
+            raise gr.Error("methods must be a list of method names")
+        picked = [m for m in methods if m in state.drafters]
+        notes += [f"{m} is unavailable: {state.unavailable[m]}" for m in methods if m in state.unavailable]
+        if not picked:
+            raise gr.Error("Pick at least one available method.")
+        count = clamp("questions", count, 1, 80, defaults[0], notes)
+        max_new_tokens = clamp("max new tokens", max_new_tokens, 1, MAX_NEW_TOKENS, defaults[1], notes)
+        questions = (load_questions(question_set, per_category=count) if subset == "per category"
+                     else load_questions(question_set, limit=count))
+        return questions, picked, max_new_tokens, notes
+
     def sweep(self, question_set: str, subset: str, count: int, methods: list[str], max_new_tokens: int,
               progress=gr.Progress(track_tqdm=True)):
         """The Benchmark tab's temperature sweep: speed and quality against temperature per rule."""
@@ -145,17 +150,10 @@ class Handlers:
 
         from ..sweep import sweep
 
-        state, notes = self.state, []
-        if question_set not in BUILTIN:
-            raise gr.Error(f"questions must be one of {', '.join(BUILTIN)}")
-        picked = [m for m in (methods or []) if isinstance(m, str) and m in state.drafters]
-        if not picked:
-            raise gr.Error("Pick at least one available method.")
-        count = clamp("questions", count, 1, 80, 2, notes)
-        max_new_tokens = clamp("max new tokens", max_new_tokens, 1, MAX_NEW_TOKENS, 64, notes)
+        state = self.state
         try:
-            questions = (load_questions(question_set, per_category=count) if subset == "per category"
-                         else load_questions(question_set, limit=count))
+            questions, picked, max_new_tokens, notes = self._bench_request(question_set, subset, count, methods,
+                                                                           max_new_tokens, (2, 64))
             steps = state.on_engine_thread(sweep(state.target, picked, questions, max_new_tokens=max_new_tokens))
             deadline = time.perf_counter() + BENCH_BUDGET_S
             for rows in steps:
