@@ -7,6 +7,7 @@ from specviz.core.protocol import Drafter, Settings
 
 from .ar import AutoregressiveDrafter
 from .eagle2 import Eagle2Drafter, TreeSettings
+from .eagle3 import Eagle3Drafter
 from .fspad import FspadDrafter
 from .hass import HassDrafter
 from .lookahead import LookaheadDrafter, LookaheadSettings
@@ -27,6 +28,7 @@ METHODS: dict[str, tuple[type[Drafter], type[Settings]]] = {
     "eagle2": (Eagle2Drafter, TreeSettings),
     "hass": (HassDrafter, TreeSettings),
     "fspad": (FspadDrafter, TreeSettings),
+    "eagle3": (Eagle3Drafter, TreeSettings),
     "medusa": (MedusaDrafter, MedusaSettings),
     "redrafter": (RedrafterDrafter, RedrafterSettings),
     "semi-attn": (SemiAttnDrafter, SemiSettings),

@@ -9,7 +9,7 @@ training data), which keeps the per-node head cheap on CPU. HASS and FSPAD reuse
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +49,7 @@ class FeatureNet(nn.Module):
     def __init__(self, config: LlamaConfig, sampler: bool = False, split: bool = False):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.sampler, self.split = sampler, split
+        self.hidden, self.sampler, self.split = h, sampler, split
         self.fuse = nn.Linear(2 * h, h)
         if sampler:
             self.sampler_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
@@ -62,6 +62,10 @@ class FeatureNet(nn.Module):
         self.mlp = LlamaMLP(config)
         if split:
             self.mlp.down_proj = nn.Linear(i, 2 * h, bias=False)
+
+    def entry(self, features: torch.Tensor) -> torch.Tensor:
+        """What the first pass reads from the target's features: its final-norm output."""
+        return features[..., :self.hidden]
 
     def forward(self, features, embeds, positions, mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.fuse(torch.cat([features, embeds], dim=-1))
@@ -106,13 +110,15 @@ class LossOptions:
     topk: int = 0  # HASS Top-K distillation K (0 = off)
     topk_weight: float = 0.0
     beta: float = 1.0  # weight of pass j is beta ** (j - 1)
+    detach: bool = True  # pass j reads pass j-1's prediction without its gradient (HASS); EAGLE-3 keeps it
 
 
-def aligned_passes(net: FeatureNet, inputs, embeds, passes: int):
+def aligned_passes(net: FeatureNet, inputs, embeds, passes: int, detach: bool = True):
     """Yield (head_in, predicted feature) for HASS passes 1..passes over a whole batch.
 
     Pass 1 reads the target's features. Pass j reads, at position t, the drafter's own pass j-1
-    prediction for feature t (detached), and attends to keys laid out by ``aligned_mask``.
+    prediction for feature t (detached unless ``detach`` is False: EAGLE-3's training-time test),
+    and attends to keys laid out by ``aligned_mask``.
     """
     b, t = inputs.shape[:2]
     positions = torch.arange(t, device=inputs.device)[None].expand(b, t)
@@ -121,35 +127,40 @@ def aligned_passes(net: FeatureNet, inputs, embeds, passes: int):
         mask = additive_mask(aligned_mask(t, step), inputs.dtype).to(inputs.device)
         head_in, pred = net(current, embeds, positions, mask, cache)
         yield head_in, pred
-        current = torch.cat([inputs[:, :1], pred[:, :-1].detach()], dim=1)
+        current = torch.cat([inputs[:, :1], (pred.detach() if detach else pred)[:, :-1]], dim=1)
 
 
 def feature_loss(net: FeatureNet, frozen: FrozenTarget, tokens, feats, valid, opts: LossOptions):
     """Loss over a batch of sequences. ``valid[b, t]``: the prediction made at t counts.
 
     Position t reads (feature_t, token_{t+1}) and predicts feature_{t+1}, whose LM-head
-    distribution is the target's distribution for token_{t+2}.
+    distribution is the target's distribution for token_{t+2}. ``feats`` may carry tapped layers
+    after the final-norm output (EAGLE-3); the network's ``entry`` picks what it reads.
     """
-    inputs, goal, valid = feats[:, :-1], feats[:, 1:], valid[:, :-1]
+    hidden = frozen.head.shape[1]
+    inputs, goal, valid = net.entry(feats[:, :-1]), feats[:, 1:, :hidden], valid[:, :-1]
     t = inputs.shape[1]
+    rows = valid.nonzero(as_tuple=True)  # only these reach the LM head: every pass's positions are among them
+    goal = goal[rows]
     with torch.no_grad():
         goal_logits = frozen.logits(goal).float()
         goal_p = torch.softmax(goal_logits, dim=-1)
         goal_top = goal_logits.argmax(-1)
     total, stats = 0.0, {}
-    passes = aligned_passes(net, inputs, frozen.embed(tokens[:, 1:]), opts.passes)
+    passes = aligned_passes(net, inputs, frozen.embed(tokens[:, 1:]), opts.passes, opts.detach)
     for step, (head_in, pred) in enumerate(passes, start=1):
         ok = valid.clone()
         if step > 1:  # the draft must have started at a valid position too
             ok[:, step - 1:] &= valid[:, : t - step + 1]
             ok[:, : step - 1] = False
-        w = ok.float()
+        w = ok[rows].float()
         n = w.sum().clamp_min(1)
-        logits = frozen.logits(head_in).float()
+        logits = frozen.logits(head_in[rows]).float()
         logp = torch.log_softmax(logits, dim=-1)
-        l_feat = (F.smooth_l1_loss(pred.float(), goal.float(), reduction="none").mean(-1) * w).sum() / n
-        l_tok = (-(goal_p * logp).sum(-1) * w).sum() / n
-        loss = opts.feature_weight * l_feat + opts.token_weight * l_tok
+        loss = opts.token_weight * (-(goal_p * logp).sum(-1) * w).sum() / n
+        if opts.feature_weight:
+            l_feat = (F.smooth_l1_loss(pred[rows].float(), goal.float(), reduction="none").mean(-1) * w).sum() / n
+            loss = loss + opts.feature_weight * l_feat
         if opts.topk:
             loss = loss + opts.topk_weight * (topk_distill_loss(goal_logits, logits, opts.topk) * w).sum() / n
         total = total + opts.beta ** (step - 1) * loss
@@ -192,8 +203,10 @@ class Eagle2Drafter(TrainedDrafter):
 
     @classmethod
     def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False):
-        """The method's objective; ``evaluate`` reports accuracy at depths 1-3 for every method alike."""
-        return feature_loss(net, frozen, tokens, feats, valid, LossOptions(passes=3) if evaluate else cls.loss)
+        """The method's objective; ``evaluate`` reports accuracy at depths 1-4 (as the chain drafters do),
+        each depth drafted from the drafter's own earlier predictions."""
+        opts = replace(cls.loss, passes=4, detach=True) if evaluate else cls.loss
+        return feature_loss(net, frozen, tokens, feats, valid, opts)
 
     # -- decoding state ---------------------------------------------------------------------
     def reset(self) -> None:

@@ -28,6 +28,7 @@ from specviz.core.metrics import extra_memory_pct
 
 from .checkpoint import save_checkpoint, target_signature
 from .corpus import FeatureSet, length_batches
+from .distill import cast_copy
 from .trained import TrainedDrafter
 from .vocab_head import FrozenTarget, draft_vocabulary
 
@@ -45,9 +46,11 @@ class TrainConfig:
     device: str = "cpu"
     precision: str = "no"  # "bf16" autocast, "no" (fp32), or "auto": bf16 where the hardware is fast at it
     save_every: int = 100  # steps between saved training states (for resume)
+    validate_every: int = 0  # steps between validations during an epoch (0: at the end of each epoch only)
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.lr <= 0 or self.batch_tokens < 16 or self.max_length < 4 or self.save_every < 1:
+        if self.epochs < 1 or self.lr <= 0 or self.batch_tokens < 16 or self.max_length < 4 or self.save_every < 1 \
+                or self.validate_every < 0:
             raise SettingsError(f"invalid training settings: {self}")
         if self.precision not in ("no", "bf16", "auto"):
             raise SettingsError(f"precision must be no, bf16 or auto, got {self.precision!r}")
@@ -57,6 +60,9 @@ class TrainConfig:
         if self.precision == "auto":
             return "bf16" if fast_dtype(self.device) == torch.bfloat16 else "no"
         return self.precision
+
+
+OUTSIDE_RUN_KEY = ("save_every", "validate_every")  # settings that leave the trained weights unchanged
 
 
 def batches(data: FeatureSet, cfg: TrainConfig, gen: torch.Generator) -> list[list[int]]:
@@ -79,12 +85,34 @@ def make_batch(data: FeatureSet, ids: list[int], cfg: TrainConfig, device="cpu")
     return tokens.to(device), feats.to(device), valid.to(device)
 
 
-def evaluate(method: type[TrainedDrafter], net, frozen, data: FeatureSet, cfg: TrainConfig) -> dict:
+class LayerTaps:
+    """The inputs of the target's decoder ``layers`` over a batch, appended to its stored features.
+
+    Computed on the fly (one forward of the target's body per batch, in the dtype the stored features
+    came from), so a method reading more layers (EAGLE-3) keeps no second feature cache on disk.
+    Right padding needs no mask: attention is causal, so padding never reaches a real position."""
+
+    def __init__(self, target, layers: tuple[int, ...], dtype: torch.dtype | None = None):
+        decoder = target.model.get_decoder()
+        self.decoder = cast_copy(decoder, dtype) if dtype not in (None, target.dtype) else decoder
+        self.layers = layers
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        if not self.layers:
+            return feats
+        hidden = self.decoder(input_ids=tokens, use_cache=False, output_hidden_states=True).hidden_states
+        return torch.cat([feats] + [hidden[i].to(feats.dtype) for i in self.layers], dim=-1)
+
+
+def evaluate(method: type[TrainedDrafter], net, frozen, data: FeatureSet, cfg: TrainConfig,
+             taps: LayerTaps | None = None) -> dict:
     net.eval()
     totals, weight = {}, 0
     with torch.no_grad():
         for ids in batches(data, cfg, torch.Generator().manual_seed(0)):
             tokens, feats, valid = make_batch(data, ids, cfg, frozen.head.device)
+            feats = feats if taps is None else taps(tokens, feats)
             _, stats = method.training_loss(net, frozen, tokens, feats, valid, evaluate=True)
             n = int(valid.sum())
             weight += n
@@ -92,6 +120,10 @@ def evaluate(method: type[TrainedDrafter], net, frozen, data: FeatureSet, cfg: T
                 totals[k] = totals.get(k, 0.0) + v * n
     net.train()
     return {k: round(v / max(weight, 1), 4) for k, v in totals.items()}
+
+
+def depths(val: dict) -> str:
+    return " ".join(f"{val[f'acc{d}']:.3f}" for d in range(1, 9) if f"acc{d}" in val)
 
 
 def cosine_with_warmup(total_steps: int, warmup: float) -> Callable[[int], float]:
@@ -108,7 +140,8 @@ class Progress:
     wall_s: float = 0.0
     tokens: int = 0  # answer tokens whose predictions were trained on
     running: dict | None = None
-    history: list | None = None
+    history: list | None = None  # per epoch: training and validation agreement
+    checks: list | None = None  # validations during the epochs: {"step", "val"}
 
     def save(self, folder: Path) -> None:
         (folder / "progress.json").write_text(json.dumps(asdict(self)))
@@ -135,6 +168,9 @@ def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: 
     vocab_map = draft_vocabulary(train_set.tokens, cfg.draft_vocab, target.vocab_size, always=eos)
     coverage = float(torch.isin(train_set.tokens, vocab_map).float().mean())
     frozen = FrozenTarget(target, vocab_map)
+    feature_dtype = data_meta.get("feature_dtype")
+    taps = LayerTaps(target, method.tapped_layers(target.num_layers),
+                     getattr(torch, feature_dtype) if feature_dtype else None)
     net = method.new_network(target).float().train()
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     plan = [batches(train_set, cfg, gen) for _ in range(cfg.epochs)]
@@ -170,6 +206,7 @@ def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: 
                 range(len(train_set)), batch_sampler=epoch_batches,
                 collate_fn=lambda ids: make_batch(train_set, ids, cfg)))
             for tokens, feats, valid in accelerator.skip_first_batches(loader, skip) if skip else loader:
+                feats = taps(tokens, feats)
                 with torch.autocast(accelerator.device.type, torch.bfloat16, enabled=cfg.mixed_precision == "bf16"):
                     loss, stats = method.training_loss(net, frozen, tokens, feats, valid)
                 opt.zero_grad(set_to_none=True)
@@ -183,16 +220,19 @@ def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: 
                 bar.update()
                 bar.set_postfix(tok_s=f"{progress.tokens / max(time.perf_counter() - start, 1e-9):.0f}",
                                 **{k: f"{v:.3f}" for k, v in progress.running.items() if k in ("acc1", "loss1")})
+                if cfg.validate_every and progress.step % cfg.validate_every == 0:
+                    val = evaluate(method, accelerator.unwrap_model(net), frozen, val_set, cfg, taps)
+                    progress.checks = [*(progress.checks or []), {"step": progress.step, "val": val}]
+                    tqdm.write(f"{method.name} step {progress.step}: validation agreement by depth " + depths(val))
                 if after_step is not None:
                     after_step(progress.step)
                 if progress.step % cfg.save_every == 0:
                     save()
-        val = evaluate(method, accelerator.unwrap_model(net), frozen, val_set, cfg)
+        val = evaluate(method, accelerator.unwrap_model(net), frozen, val_set, cfg, taps)
         progress.history.append({"epoch": epoch + 1, "train": {k: round(v, 4) for k, v in progress.running.items()},
                                  "val": val})
         progress.running = {}
-        tqdm.write(f"{method.name} epoch {epoch + 1}: validation agreement by depth "
-                   + " ".join(f"{val[f'acc{d}']:.3f}" for d in range(1, 9) if f"acc{d}" in val))
+        tqdm.write(f"{method.name} epoch {epoch + 1}: validation agreement by depth " + depths(val))
         save()
     bar.close()
     net = accelerator.unwrap_model(net)
@@ -209,8 +249,10 @@ def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: 
                      "mixed_precision": cfg.mixed_precision,
                      "machine": f"{platform.machine()} {torch.get_num_threads()} threads" if device.type == "cpu"
                      else torch.cuda.get_device_name(device)},
+        "features": {"final_norm_output": True, "tapped_layer_inputs": list(taps.layers)},
         "draft_vocab": {"size": int(vocab_map.numel()), "train_token_coverage": round(coverage, 4)},
         "history": progress.history,
+        "validation_checks": progress.checks or [],
         "parameters": {"trained": trained, "lm_head_rows_copied": frozen.head.numel(), "extra_total": extra,
                        "extra_memory_pct": round(extra_memory_pct(extra, target.num_parameters), 2)},
         "lm_head": "the target's frozen, tied LM head restricted to the draft vocabulary (not trained, not stored)",

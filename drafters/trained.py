@@ -25,6 +25,7 @@ class TrainedDrafter(Drafter):
         state, self.card = load_checkpoint(settings.checkpoint, self.name, target)
         self.net, self.frozen = self.restore(target, state)
         self.device, self.dtype = target.device, target.dtype
+        self.hidden_size = target.config.hidden_size
         self.check_settings(settings)
         self.reset()
 
@@ -41,6 +42,12 @@ class TrainedDrafter(Drafter):
         [B, T], the positions whose predictions count. ``evaluate`` adds the per-depth accuracies the
         card reports, measured alike for every method of a family."""
         raise NotImplementedError
+
+    @classmethod
+    def tapped_layers(cls, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers whose inputs the method reads besides the final-norm output (EAGLE-3); in training
+        they are appended to the stored features, at decoding time the target returns them (``TargetModel.tap``)."""
+        return ()
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
@@ -75,5 +82,5 @@ class TrainedDrafter(Drafter):
         return sum(p.numel() for p in self.net.parameters()) + self.frozen.head.numel()
 
     def features(self, commit: Commit) -> torch.Tensor:
-        """The committed positions' features, on the drafter's device and in its dtype."""
-        return commit.features.to(device=self.device, dtype=self.dtype)
+        """The committed positions' features (the final-norm output), on the drafter's device and in its dtype."""
+        return commit.features[:, :self.hidden_size].to(device=self.device, dtype=self.dtype)

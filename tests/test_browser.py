@@ -43,7 +43,7 @@ def test_page_runs_two_methods_and_renders_tokens_and_plots(tmp_path):
 
 @needs_browser
 def test_every_method_in_columns_that_never_overlap(tmp_path):
-    """All twelve methods (tiny drafters trained for the tiny target, the target itself as sps's assistant):
+    """Every method (tiny drafters trained for the tiny target, the target itself as sps's assistant):
     at 1280 and 1920 px no two columns overlap and no token leaves its column."""
     pytest.importorskip("playwright")
     from conftest import train_tiny_drafter

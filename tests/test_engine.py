@@ -117,6 +117,7 @@ GREEDY_BUILDERS = {
     "eagle2": lambda t: trained(t, "eagle2", depth=4, top_k=3, total_tokens=10),
     "hass": lambda t: trained(t, "hass", depth=3, top_k=4, total_tokens=8),
     "fspad": lambda t: trained(t, "fspad", depth=5, top_k=2, total_tokens=6),
+    "eagle3": lambda t: trained(t, "eagle3", depth=5, top_k=3, total_tokens=12),
     "medusa": lambda t: trained(t, "medusa", heads=4, top_k=3, total_tokens=10),
     "redrafter": lambda t: trained(t, "redrafter", width=4, length=4),
     "semi-attn": lambda t: trained(t, "semi-attn", length=4),
@@ -457,7 +458,9 @@ def test_tree_sampling_matches_target_distribution(sampling_target, exact_distri
 
 
 @pytest.mark.parametrize("method, settings", [("eagle2", dict(depth=3, top_k=3, total_tokens=8)),
-                                               ("redrafter", dict(width=3, length=3))], ids=["eagle2", "redrafter"])
+                                               ("eagle3", dict(depth=3, top_k=3, total_tokens=8)),
+                                               ("redrafter", dict(width=3, length=3))],
+                         ids=["eagle2", "eagle3", "redrafter"])
 def test_trained_tree_sampling_matches_target_distribution(method, settings, sampling_target, exact_distributions):
     """Trained tree drafters (deterministic top-k / beam children) under T=1 sampling."""
     drafter = trained(sampling_target, method, **settings)

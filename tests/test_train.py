@@ -3,6 +3,8 @@ autocast trains, and the card records the budget every method shares."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -55,6 +57,19 @@ def test_a_killed_run_resumes_to_the_unbroken_weights(method, target, data, tmp_
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert again["history"] == whole["history"] and again["training"]["steps"] == whole["training"]["steps"]
         assert again["training"]["answer_tokens_seen"] == whole["training"]["answer_tokens_seen"]
+
+
+def test_validation_within_an_epoch_is_recorded_and_changes_no_weight(target, data, tmp_path):
+    cfg = TrainConfig(epochs=1, batch_tokens=128, lr=3e-3, draft_vocab=32)
+    plain = train(METHODS["hass"][0], target, data, data, cfg, {}, tmp_path / "plain")
+    checked = train(METHODS["hass"][0], target, data, data, replace(cfg, validate_every=4), {}, tmp_path / "checked")
+    steps = checked["training"]["steps"]
+    assert [c["step"] for c in checked["validation_checks"]] == list(range(4, steps + 1, 4)) and steps >= 8
+    assert set(checked["validation_checks"][-1]["val"]) >= {"acc1", "acc2", "acc3", "acc4"}
+    if steps % 4 == 0:  # the last check is the end-of-epoch validation
+        assert checked["validation_checks"][-1]["val"] == checked["history"][-1]["val"]
+    a, b = (load_file(str(tmp_path / f / "weights.safetensors")) for f in ("plain", "checked"))
+    assert all(torch.equal(a[k], b[k]) for k in a) and plain["validation_checks"] == []
 
 
 def test_resume_needs_a_saved_state(target, data, tmp_path):

@@ -1,4 +1,4 @@
-"""Trained feature drafters (EAGLE-2, HASS, FSPAD): network, losses, checkpoints, dynamic tree, corpus."""
+"""Trained feature drafters (EAGLE-2, HASS, FSPAD, EAGLE-3): network, losses, checkpoints, dynamic tree, corpus."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from conftest import train_tiny_drafter
 from drafters import build_drafter, corpus
 from drafters.checkpoint import CheckpointError
 from drafters.eagle2 import Eagle2Drafter, FeatureNet, aligned_mask, aligned_passes, layer_config, topk_distill_loss
+from drafters.eagle3 import Eagle3Drafter
 from drafters.fspad import FspadDrafter
 from drafters.hass import HassDrafter
 from drafters.trained import TrainedDrafter
@@ -29,7 +30,7 @@ from specviz.core.tree import additive_mask
 from specviz.core.verify import Sampling
 
 VOCAB, HIDDEN = 64, 64
-METHODS = ("eagle2", "hass", "fspad")
+METHODS = ("eagle2", "hass", "fspad", "eagle3")
 
 
 @pytest.fixture(scope="module")
@@ -153,25 +154,31 @@ def test_aligned_mask_first_pass_is_causal():
     assert aligned_mask(7, 3).shape == (7, 21)
 
 
-def test_hass_passes_read_their_own_previous_predictions(target):
+UNROLLED = [HassDrafter, Eagle3Drafter]  # HASS's aligned passes; EAGLE-3's training-time test
+
+
+@pytest.mark.parametrize("method", UNROLLED, ids=["hass", "eagle3"])
+def test_passes_read_their_own_previous_predictions(method, target):
+    """HASS detaches what a pass reads from the pass before; EAGLE-3 lets the gradient through."""
     torch.manual_seed(1)
-    net = HassDrafter.new_network(target)  # training mode, parameters require grad
+    net = method.new_network(target)  # training mode, parameters require grad
     feats, embeds = random_inputs(2, 7, seed=1)
     rec = Recorder(net)
-    outs = list(aligned_passes(rec, feats, embeds, 3))
+    outs = list(aligned_passes(rec, feats, embeds, 3, method.loss.detach))
     assert len(outs) == len(rec.inputs) == 3
     assert torch.equal(rec.inputs[0], feats)
     for j in (1, 2):
         read, previous = rec.inputs[j], rec.outputs[j - 1][1]
         assert torch.equal(read[:, 0], feats[:, 0])
         assert torch.equal(read[:, 1:], previous[:, :-1])
-        assert previous.requires_grad and not read.requires_grad  # detached
+        assert previous.requires_grad and read.requires_grad == (not method.loss.detach)
 
 
-def test_hass_pass_j_equals_sequential_drafting(target):
+@pytest.mark.parametrize("method", UNROLLED, ids=["hass", "eagle3"])
+def test_pass_j_equals_sequential_drafting(method, target):
     """Pass j at position t == depth j of a drafter that read the real features up to s = t - j + 1."""
     torch.manual_seed(2)
-    net = HassDrafter.new_network(target).eval()
+    net = method.new_network(target).eval()
     b, t_len, passes = 2, 8, 3
     feats, embeds = random_inputs(b, t_len, seed=2)
     with torch.no_grad():
@@ -387,7 +394,8 @@ def drafted_logp(drafter, target, feats, seq, path=()):
     with each token of ``path``, one position at a time."""
     net, emb, t = drafter.net, target.model.get_input_embeddings(), len(seq) - 1
     cache = DynamicCache()
-    head_in, feature = net(feats[None], emb(torch.tensor(seq[1:]))[None],
+    entry = drafter.features(Commit(torch.tensor(seq[:-1]), feats, seq[-1]))  # EAGLE-3: its fused taps
+    head_in, feature = net(entry[None], emb(torch.tensor(seq[1:]))[None],
                            torch.arange(t)[None], causal(t), cache)
     head_in, feature = head_in[:, -1:], feature[:, -1:]
     for i, tok in enumerate(path):
@@ -459,6 +467,7 @@ GREEDY_SETTINGS = {
     "eagle2": [dict(depth=4, top_k=3, total_tokens=10), dict(depth=2, top_k=6, total_tokens=20)],
     "hass": [dict(depth=3, top_k=4, total_tokens=8), dict(depth=6, top_k=2, total_tokens=12)],
     "fspad": [dict(depth=5, top_k=2, total_tokens=6), dict(depth=3, top_k=5, total_tokens=16)],
+    "eagle3": [dict(depth=6, top_k=3, total_tokens=14), dict(depth=2, top_k=4, total_tokens=6)],
 }
 
 
@@ -499,7 +508,7 @@ def test_every_trained_method_is_a_trained_drafter_and_the_protocol_is_declared(
 
     trained = {name for name, (cls, _) in ALL.items() if cls.trained}
     assert trained == {name for name, (cls, _) in ALL.items() if issubclass(cls, TrainedDrafter)}
-    assert {"eagle2", "hass", "fspad", "medusa", "redrafter", "semi-attn", "semi-lstm"} == trained
+    assert {"eagle2", "hass", "fspad", "eagle3", "medusa", "redrafter", "semi-attn", "semi-lstm"} == trained
     with pytest.raises(NotImplementedError):
         TrainedDrafter.new_network(None)
     with pytest.raises(NotImplementedError):

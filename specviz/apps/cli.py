@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--precision", default="no", choices=["no", "bf16", "auto"],
                    help="bf16 autocast, or fp32 (no); auto: bf16 where the hardware is fast at it")
     t.add_argument("--save-every", type=int, default=100, help="steps between saved training states")
+    t.add_argument("--validate-every", type=int, default=0,
+                   help="steps between validations within an epoch (0: after each epoch only)")
     t.add_argument("--resume", action="store_true",
                    help="continue each run from its last saved state (a finished run is reused, a new one starts)")
     t.add_argument("--out", default=None,
@@ -341,7 +343,7 @@ def cmd_train(args) -> None:
 
     from drafters.checkpoint import CARD, default_path, read_card
     from drafters.corpus import prepare
-    from drafters.train import TrainConfig, make_accelerator, train
+    from drafters.train import OUTSIDE_RUN_KEY, TrainConfig, make_accelerator, train
     from specviz.core.load import cache_dir, default_device, load_target, resolve_dtype_or_auto
 
     names = _drafters_to_train(args.drafter)
@@ -352,13 +354,14 @@ def cmd_train(args) -> None:
     device = args.device or default_device()
     recipe = dataclasses.replace(_recipe(args, device), feature_dtype=resolve_dtype_or_auto(args.feature_dtype, device))
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
-                      seed=args.seed, device=device, precision=args.precision, save_every=args.save_every)
+                      seed=args.seed, device=device, precision=args.precision, save_every=args.save_every,
+                      validate_every=args.validate_every)
     accelerator = make_accelerator(cfg)  # one process per device under `accelerate launch`
     target = load_target(args.target, "float32", str(accelerator.device))
     train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train")
     for name in names:
-        run = json.dumps([name, recipe.features_key(target), {k: v for k, v in vars(cfg).items() if k != "save_every"}],
-                         sort_keys=True, default=str)
+        config = {k: v for k, v in vars(cfg).items() if k not in OUTSIDE_RUN_KEY}
+        run = json.dumps([name, recipe.features_key(target), config], sort_keys=True, default=str)
         work = cache_dir() / "train" / "runs" / f"{name}-{hashlib.sha1(run.encode()).hexdigest()[:12]}"
         finished = work / "checkpoint"
         out = default_path(name) if args.ship else Path(args.out) if args.out else finished

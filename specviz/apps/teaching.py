@@ -11,6 +11,8 @@ PAPERS = {
     "HASS: Learning Harmonized Representations for Speculative Sampling (Zhang et al., 2024)":
         "https://arxiv.org/abs/2408.15766",
     "FSPAD: Feature Sampling and Partial Alignment Distillation (Gui et al., 2024)": "https://arxiv.org/abs/2408.15562",
+    "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via Training-Time Test (Li et al., 2025)":
+        "https://arxiv.org/abs/2503.01840",
     "Semi-autoregressive drafting (no public code; built from the paper)": "",
     "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees (Li et al., 2024)":
         "https://arxiv.org/abs/2406.16858",
@@ -89,6 +91,16 @@ NOTES = {
     "fspad": Note("as EAGLE-2, with a Feature Sampler that gates the feature with the token embedding",
                   "0.1 · token loss + feature loss on a split output (partial alignment distillation)",
                   "FSPAD (Gui et al., 2024)", "higher α at depth 1 than eagle2 on the same data."),
+    "eagle3": Note("the inputs of three of the target's layers (2, L/2, L−3) fused by one projection, + the next "
+                   "token's embedding, through one decoder layer",
+                   "tokens only (soft cross-entropy per pass, weights 0.8^k) over 5 unrolled passes (7 in the "
+                   "paper's code) in which the drafter reads its own hidden states, gradient through all of them "
+                   "(training-time test)",
+                   "EAGLE-3 (Li et al., 2025), the reference point after EAGLE-2, HASS and FSPAD",
+                   "what changed from EAGLE-2: the drafter is no longer asked to imitate the target's last feature, "
+                   "a goal it misses a little more at every depth it feeds itself; trained on its own outputs, it "
+                   "should keep α higher at depths 3–6, where EAGLE-2's errors compound. Compare α_3 and α_4 with "
+                   "hass, which took the first step (aligned passes, but features still regressed and detached)."),
     "medusa": Note("the target's last hidden state only: head k guesses the token k places ahead",
                    "cross-entropy per head, target frozen",
                    "Medusa (Cai et al., 2024), a baseline of ReDrafter and semi-AR drafting",
@@ -121,6 +133,8 @@ DIAGRAMS = {
                "dynamic tree (top-k, rerank)"),
     "hass": (FEATURE_IN, "1 decoder layer, trained on its own earlier features", "dynamic tree (top-k, rerank)"),
     "fspad": (FEATURE_IN, "feature sampler + 1 layer, split output", "dynamic tree (top-k, rerank)"),
+    "eagle3": (("target layers 2, L/2, L−3 (fused)", "next token's embedding"),
+               "1 decoder layer, unrolled on its own outputs in training", "dynamic tree (top-k, rerank)"),
     "medusa": (("target features (last hidden state)",), "K independent heads (ResBlocks)",
                "static tree of rank paths"),
     "redrafter": (("target features (last hidden state)", "drafted tokens"), "RNN + beam search",

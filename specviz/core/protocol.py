@@ -21,7 +21,7 @@ class Commit:
     """What just entered the target's cache, and the token waiting to go in next."""
 
     tokens: torch.Tensor  # [T] the prompt after prefill; root + accepted drafts after a step
-    features: torch.Tensor  # [T, H] the target's features there (its final-norm output, see core.target)
+    features: torch.Tensor  # [T, H] the target's final-norm output there, then any tapped layers (core.target)
     pending: int  # the target's newest token, the root of the next draft tree
     verified_top: torch.Tensor | None = None  # [N+1] the target's top token after every verified node, root first
 

@@ -6,7 +6,9 @@ to the decode loop that uses it (``new_cache()``), so several decodes can share 
 
 **Features** are the target's final-norm output at each position: the hidden state its LM head
 reads, EAGLE's "feature". The engine hands drafters exactly this (``Commit.features``) and the
-training pipeline stores exactly this; no drafter applies the norm again.
+training pipeline stores exactly this; no drafter applies the norm again. A drafter that reads
+more layers (EAGLE-3) asks for them with ``tap``: their inputs then follow the final-norm output in
+the same tensor, ``[T, H * (1 + len(taps))]``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class TargetModel:
         self.name = name
         self.config = model.config
         self._features: torch.Tensor | None = None
+        self.taps: tuple[int, ...] = ()  # decoder layers whose inputs follow the features
         self.body_dtype = next(model.parameters()).dtype
         if self.body_dtype != torch.float32:
             fp32_head(model)
@@ -90,6 +93,19 @@ class TargetModel:
     @property
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    def tap(self, layers) -> list[int]:
+        """From now on, return the inputs of decoder ``layers`` after the features. Returns the column
+        block of each (block 0 is the final-norm output), so several drafters can share one target."""
+        bad = [i for i in layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise TargetError(f"layer {bad[0]} does not exist: this target has {self.num_layers} decoder layers")
+        self.taps += tuple(i for i in dict.fromkeys(layers) if i not in self.taps)
+        return [1 + self.taps.index(i) for i in layers]
 
     # -- text -------------------------------------------------------------------------------
     def encode_chat(self, prompt: str) -> list[int]:
@@ -140,9 +156,11 @@ class TargetModel:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=keep,
-            output_hidden_states=not self._hooked,
+            output_hidden_states=bool(self.taps) or not self._hooked,
         )
         feats = self._features if self._hooked else out.hidden_states[-1]  # transformers' last entry is normed
+        if self.taps:  # hidden_states[i] is the input of layer i (entry 0: the embeddings)
+            feats = torch.cat([feats] + [out.hidden_states[i].to(feats.dtype) for i in self.taps], dim=-1)
         return out.logits[0], feats[0]
 
     def prefill(self, ids: list[int] | torch.Tensor, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from specviz.core.verify import MIN_TEMPERATURE, RULES, Sampling
 from .state import AppState
 
 MAX_NEW_TOKENS = 512
-MAX_METHODS = 12
+MAX_METHODS = 16  # every method, with room for more
 SLIDER_MAX = 64  # the highest value a settings slider offers
 
 

@@ -1,0 +1,76 @@
+"""Device handling, as far as a CPU can check it: every method decodes with the target on an emulated
+CUDA device (``fake_device.FakeCuda``: CPU tensors, CUDA's rules about mixing devices) and gives the
+same tokens as on the CPU, greedy and sampled with a seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fake_device import DeviceMix, FakeCuda
+from test_engine import GREEDY_BUILDERS, PROMPTS, VOCAB, noisy_copy
+
+import drafters
+from conftest import make_llama
+from drafters.sps import AssistantDrafter, AssistantSettings
+from specviz.core.engine import run
+from specviz.core.target import TargetModel
+from specviz.core.verify import Sampling
+
+CASES = list(zip(PROMPTS[:3], (24, 30, 20)))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: synced.append(1))
+    mode = FakeCuda()
+    mode.synced = synced
+    return mode
+
+
+def build(method: str, target, fake: FakeCuda | None = None):
+    if method == "sps":  # an assistant given as a model sits where the user put it: on the device here
+        model = noisy_copy(target.model, 0.03, 1)
+        return AssistantDrafter(target, AssistantSettings(num_tokens=3), model=fake.place(model) if fake else model)
+    return GREEDY_BUILDERS[method](target)
+
+
+def test_the_emulation_is_as_strict_as_cuda(fake_cuda):
+    host_index = torch.tensor([0, 2])
+    with fake_cuda:
+        x = torch.arange(6.0, device="cuda")
+        assert x.device.type == "cuda" and x.cpu().device.type == "cpu" and (x * 2).device.type == "cuda"
+        assert x[host_index].device.type == "cuda"  # a CPU index into a device tensor is fine
+        assert (x + torch.tensor(1.0)).device.type == "cuda"  # so is a 0-dim CPU scalar
+        with pytest.raises(DeviceMix):
+            x + torch.ones(6)
+        with pytest.raises(DeviceMix):
+            torch.ones(6)[x.long() % 6]
+        with pytest.raises(DeviceMix):
+            torch.cat([x, torch.ones(2)])
+        with pytest.raises(DeviceMix):
+            torch.multinomial(x.softmax(0), 1, generator=torch.Generator().manual_seed(0))
+        moved = torch.nn.Linear(6, 2).to(x.device)
+        assert moved.weight.device.type == "cuda" and moved(x).device.type == "cuda"
+        with pytest.raises(DeviceMix):
+            torch.nn.Linear(6, 2)(x)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return TargetModel(make_llama(VOCAB, seed=0, num_layers=4))
+
+
+@pytest.mark.parametrize("method", sorted(drafters.METHODS))
+def test_every_method_decodes_on_a_gpu_as_on_the_cpu(method, target, fake_cuda):
+    sampled = Sampling(temperature=1.0, seed=7)
+    want = [(run(target, build(method, target), p, n, stop_on_eos=False).output_ids,
+             run(target, build(method, target), p, n, sampled, stop_on_eos=False).output_ids) for p, n in CASES]
+    with fake_cuda:
+        fake_cuda.place(target.model)
+        assert target.device.type == "cuda"
+        drafter = build(method, target, fake_cuda)
+        for (p, n), (greedy, sample) in zip(CASES, want):
+            assert run(target, drafter, p, n, stop_on_eos=False).output_ids == greedy
+            assert run(target, drafter, p, n, sampled, stop_on_eos=False).output_ids == sample
+    assert fake_cuda.synced  # the phase timers waited for the device
