@@ -74,3 +74,24 @@ def test_every_method_decodes_on_a_gpu_as_on_the_cpu(method, target, fake_cuda):
             assert run(target, drafter, p, n, stop_on_eos=False).output_ids == greedy
             assert run(target, drafter, p, n, sampled, stop_on_eos=False).output_ids == sample
     assert fake_cuda.synced  # the phase timers waited for the device
+
+
+def test_training_data_is_made_on_a_gpu_as_on_the_cpu(target, fake_cuda):
+    """Self-distillation (batched, grouped attention) and feature extraction, the first jobs a lent GPU gets."""
+    from drafters.corpus import extract_features, self_distill
+    from drafters.train import LayerTaps
+
+    prompts = [p[:6] for p in PROMPTS[:5]]
+    answers = self_distill(target, prompts, 12, 3)
+    seqs = [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers)]
+    features = extract_features(target, seqs, batch_tokens=32)
+    tokens = torch.stack([s[:16] for s, _ in seqs if s.numel() >= 16] or [seqs[0][0][:4]])
+    taps = LayerTaps(target, (1, 2))(tokens, torch.zeros(*tokens.shape, 0))
+    with fake_cuda:
+        fake_cuda.place(target.model)
+        assert self_distill(target, prompts, 12, 3) == answers
+        on_gpu = extract_features(target, seqs, batch_tokens=32)
+        gpu_taps = LayerTaps(target, (1, 2))(tokens.to("cuda"), torch.zeros(*tokens.shape, 0, device="cuda"))
+        assert gpu_taps.device.type == "cuda"
+    assert torch.equal(on_gpu.features, features.features) and torch.equal(on_gpu.tokens, features.tokens)
+    assert torch.equal(gpu_taps.cpu(), taps)
