@@ -93,9 +93,10 @@ class LayerTaps:
     Right padding needs no mask: attention is causal, so padding never reaches a real position."""
 
     def __init__(self, target, layers: tuple[int, ...], dtype: torch.dtype | None = None):
-        decoder = target.model.get_decoder()
-        self.decoder = cast_copy(decoder, dtype) if dtype not in (None, target.dtype) else decoder
         self.layers = layers
+        decoder = target.model.get_decoder()
+        copy = layers and dtype not in (None, target.dtype)  # most methods tap nothing: no copy of the body
+        self.decoder = cast_copy(decoder, dtype) if copy else decoder
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
