@@ -6,6 +6,7 @@ import pytest
 import transformers
 
 from conftest import make_llama
+from drafters import checkpoint
 from specviz.apps.cli import main
 from specviz.core.errors import SettingsError
 from specviz.core.load import embedded_folder
@@ -165,6 +166,14 @@ def test_train_several_at_one_budget_and_resume_skips_the_finished(tiny_folder, 
     assert main([*command, "--resume"]) == 0
     again = capsys.readouterr().out
     assert again.count("finished before") == 2 and "wrote " not in again
+    monkeypatch.setattr(checkpoint, "ASSETS", tmp_path / "assets")  # --ship: the finished runs, compressed
+    assert main([*command, "--resume", "--ship"]) == 0
+    assert capsys.readouterr().out.count("shipped ") == 2
+    shipped = tmp_path / "assets" / "semi-attn"
+    assert sorted(f.name for f in shipped.iterdir()) == ["card.json", "weights.safetensors.xz"]
+    assert main(["generate", "--target", tiny_folder, "--method", f"semi-attn:checkpoint={shipped}",
+                 "--prompt", "Say hello.", "--max-new-tokens", "6", "--color", "never"]) == 0
+    assert "tau" in capsys.readouterr().out
     assert main([*command, "--out", str(tmp_path / "x")]) == 2
     assert "--out names one checkpoint folder" in capsys.readouterr().err
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from conftest import train_tiny_drafter
-from drafters import build_drafter, corpus
+from drafters import build_drafter, checkpoint, corpus
 from drafters.checkpoint import CheckpointError
 from drafters.eagle2 import Eagle2Drafter, FeatureNet, aligned_mask, aligned_passes, layer_config, topk_distill_loss
 from drafters.eagle3 import Eagle3Drafter
@@ -576,6 +576,26 @@ def test_corrupt_weights(target, checkpoints, tmp_path):
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
     expect_error(target, "eagle2", copy, r"unreadable \(corrupt or truncated\)")
+
+
+def test_shipped_checkpoint_is_compressed_and_loads_the_same(target, checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "ASSETS", tmp_path / "assets")
+    stale = tmp_path / "assets" / "hass" / "weights.safetensors"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an older, uncompressed checkpoint")
+    shipped = checkpoint.ship_checkpoint(checkpoints["hass"], "hass")
+    assert sorted(f.name for f in shipped.iterdir()) == ["card.json", "weights.safetensors.xz"]
+    plain = checkpoints["hass"] / "weights.safetensors"
+    assert (shipped / "weights.safetensors.xz").stat().st_size < plain.stat().st_size
+    a, b = (build_drafter("hass", target, checkpoint=str(f)) for f in (checkpoints["hass"], shipped))
+    for (name, x), (_, y) in zip(a.net.state_dict().items(), b.net.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    assert torch.equal(a.frozen.vocab_map, b.frozen.vocab_map) and a.card == b.card
+    xz = shipped / "weights.safetensors.xz"
+    xz.write_bytes(xz.read_bytes()[:-100])
+    expect_error(target, "hass", shipped, r"weights\.safetensors\.xz is unreadable \(corrupt or truncated\)")
+    xz.unlink()
+    expect_error(target, "hass", shipped, r"no hass checkpoint at .*train one with")
 
 
 def test_invalid_card(target, checkpoints, tmp_path):

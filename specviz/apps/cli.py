@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true",
                    help="continue each run from its last saved state (a finished run is reused, a new one starts)")
     t.add_argument("--out", default=None,
-                   help="checkpoint folder (default: the run's folder in the cache; --ship for assets/drafters/NAME)")
-    t.add_argument("--ship", action="store_true", help="write the final checkpoint into assets/drafters/NAME")
+                   help="checkpoint folder (default: the run's folder in the cache)")
+    t.add_argument("--ship", action="store_true", help="then copy the final checkpoint into assets/drafters/NAME (weights xz-compressed)")
 
     sw = sub.add_parser("sweep", help="speed and output quality against temperature, per acceptance rule")
     _common(sw)
@@ -341,16 +341,14 @@ def cmd_train(args) -> None:
     import hashlib
     import shutil
 
-    from drafters.checkpoint import CARD, default_path, read_card
+    from drafters.checkpoint import CARD, ship_checkpoint
     from drafters.corpus import prepare
     from drafters.train import OUTSIDE_RUN_KEY, TrainConfig, make_accelerator, train
     from specviz.core.load import cache_dir, default_device, load_target, resolve_dtype_or_auto
 
     names = _drafters_to_train(args.drafter)
     if args.out and len(names) > 1:
-        raise SpecvizError("--out names one checkpoint folder; train several drafters without it (or with --ship)")
-    if args.ship and args.out:
-        raise SpecvizError("--ship writes to assets/drafters/NAME; leave out --out")
+        raise SpecvizError("--out names one checkpoint folder; train several drafters without it")
     device = args.device or default_device()
     recipe = dataclasses.replace(_recipe(args, device), feature_dtype=resolve_dtype_or_auto(args.feature_dtype, device))
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
@@ -364,23 +362,24 @@ def cmd_train(args) -> None:
         run = json.dumps([name, recipe.features_key(target), config], sort_keys=True, default=str)
         work = cache_dir() / "train" / "runs" / f"{name}-{hashlib.sha1(run.encode()).hexdigest()[:12]}"
         finished = work / "checkpoint"
-        out = default_path(name) if args.ship else Path(args.out) if args.out else finished
+        out = Path(args.out) if args.out else finished
         if args.resume and (finished / CARD).exists():  # trained to the end before: reuse it
-            card = read_card(finished)
             if out != finished:
                 shutil.copytree(finished, out, dirs_exist_ok=True)
             print(f"{name}: finished before, in {finished}" + (f"; copied to {out}" if out != finished else ""))
-            continue
-        saved = (work / "state" / "progress.json").exists()
-        if args.resume and not saved:
-            print(f"{name}: no saved state in {work}; starting it", flush=True)
-        card = train(METHODS[name][0], target, train_set, val_set, cfg, meta, out, work, args.resume and saved,
-                     accelerator)
-        if out != finished and accelerator.is_main_process:  # the run folder keeps the final one too
-            shutil.copytree(out, finished, dirs_exist_ok=True)
-        print(f"wrote {out} ({card['parameters']['trained']:,} trained parameters, "
-              f"{card['training']['steps']} steps in {card['training']['wall_s']:.0f} s); "
-              f"validation {card['history'][-1]['val']}")
+        else:
+            saved = (work / "state" / "progress.json").exists()
+            if args.resume and not saved:
+                print(f"{name}: no saved state in {work}; starting it", flush=True)
+            card = train(METHODS[name][0], target, train_set, val_set, cfg, meta, out, work, args.resume and saved,
+                         accelerator)
+            if out != finished and accelerator.is_main_process:  # the run folder keeps the final one too
+                shutil.copytree(out, finished, dirs_exist_ok=True)
+            print(f"wrote {out} ({card['parameters']['trained']:,} trained parameters, "
+                  f"{card['training']['steps']} steps in {card['training']['wall_s']:.0f} s); "
+                  f"validation {card['history'][-1]['val']}")
+        if args.ship and accelerator.is_main_process:
+            print(f"shipped {name} to {ship_checkpoint(finished, name)}")
 
 
 def cmd_sweep(args) -> None:
