@@ -1,6 +1,7 @@
 """The CLI end to end on a tiny model saved as a folder (the `--target FOLDER` path real users take)."""
 
 import json
+import lzma
 
 import pytest
 import transformers
@@ -226,13 +227,19 @@ def test_unloadable_target_is_a_message(capsys, monkeypatch):
 def test_report_renders_a_bench_file(tiny_folder, tmp_path, capsys):
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Count: one two one two"]}))
-    out = tmp_path / "results.json"
+    out = tmp_path / "results.json.xz"  # compressed by its name
     assert main(["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "pld",
                  "--max-new-tokens", "6", "--out", str(out)]) == 0
+    assert json.loads(lzma.decompress(out.read_bytes()))["methods"]["pld"]["prompts"] == 1
     capsys.readouterr()
     assert main(["report", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| `ar` | 1.00 |" in table and "| `pld` |" in table and "1 prompts" in table
+    out.write_bytes(out.read_bytes()[:40])
+    assert main(["report", str(out)]) == 2
+    assert "is not a bench results file" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "none.json")]) == 2
+    assert "no results file" in capsys.readouterr().err
 
 
 def test_cards_name_results_files_without_machine_paths(tmp_path):

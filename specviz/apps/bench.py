@@ -7,6 +7,8 @@ speedup is AR's time per token over the method's. ``hf`` and ``hf-pld`` run tran
 
 from __future__ import annotations
 
+import json
+import lzma
 import os
 import platform
 import time
@@ -208,6 +210,25 @@ def machine_description() -> str:
         return torch.cuda.get_device_name()
     return (f"{platform.machine()} CPU ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def save_results(path: Path, results: dict) -> None:
+    """Write ``results`` as JSON, xz-compressed when ``path`` ends in ``.xz``; atomically, so a kill mid-write
+    leaves the previous version."""
+    data = json.dumps(results, indent=1).encode()
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(lzma.compress(data) if path.suffix == ".xz" else data)
+    partial.replace(path)
+
+
+def load_results(path: Path) -> dict:
+    if not path.exists():
+        raise SettingsError(f"no results file {str(path)!r}")
+    try:
+        data = path.read_bytes()
+        return json.loads(lzma.decompress(data) if path.suffix == ".xz" else data)
+    except (lzma.LZMAError, EOFError, ValueError) as e:
+        raise SettingsError(f"{path} is not a bench results file ({e})") from None
 
 
 def record_benchmark(results: dict, source: str) -> list[Path]:

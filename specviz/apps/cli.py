@@ -191,7 +191,7 @@ def cmd_generate(args) -> None:
 def cmd_bench(args) -> None:
     from specviz.core.load import load_target
 
-    from .bench import bench, exactness_text, record_benchmark
+    from .bench import bench, exactness_text, record_benchmark, save_results
     from .questions import load_questions
     from .runlog import RunLog
 
@@ -215,9 +215,7 @@ def cmd_bench(args) -> None:
     def save(results: dict) -> None:  # after every prompt, so a killed run keeps what it finished
         nonlocal logged
         results["questions"] = args.questions
-        partial = out.with_name(out.name + ".partial")
-        partial.write_text(json.dumps(results, indent=1))
-        partial.replace(out)
+        save_results(out, results)
         for i in range(logged, len(runs["ar"])):
             log.append({label: r[i] for label, r in runs.items()})
         logged = len(runs["ar"])
@@ -286,10 +284,9 @@ def markdown_table(results: dict) -> str:
 
 
 def cmd_report(args) -> None:
-    path = Path(args.results)
-    if not path.exists():
-        raise SpecvizError(f"no results file {args.results!r}")
-    results = json.loads(path.read_text())
+    from .bench import load_results
+
+    results = load_results(Path(args.results))
     print(f"{results.get('questions', '?')}, {len(results['per_prompt'])} prompts, "
           f"{results['max_new_tokens']} new tokens, "
           f"{results['dtype']}, {results['sampling']['rule']}; {results['machine']}, {results['date']}\n")
