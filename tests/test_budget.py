@@ -4,14 +4,17 @@ and the tuner and presets end to end on a tiny target."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import train_tiny_drafter
 from drafters import build_drafter
+from drafters.checkpoint import update_card
 from specviz.core.budget import Estimate, Option, VerifyCurve, choose, estimate, kept
 from specviz.core.engine import StepRecord
 from specviz.core.protocol import Commit, DraftRequest
@@ -140,6 +143,14 @@ def test_tune_chooses_from_the_grid_caches_and_presets_override(target, checkpoi
     assert first.expected_tau >= 1.0 and first.expected_speedup > 0
     again = tuning.tune(target, "eagle2", given)
     assert again.seconds == 0 and again.settings == first.settings  # from the cache
+    copy = shutil.copytree(checkpoints["eagle2"], tmp_path / "copy")
+    assert tuning.tune(target, "eagle2", {"checkpoint": str(copy)}).seconds > 0
+    update_card(copy, mtbench={"eagle2": {"tau": 9.9}})  # a bench's figures on the card: the same weights
+    assert tuning.tune(target, "eagle2", {"checkpoint": str(copy)}).seconds == 0
+    weights = load_file(str(copy / "weights.safetensors"))
+    weights["fuse.weight"] = weights["fuse.weight"] * 0.5
+    save_file(weights, str(copy / "weights.safetensors"))
+    assert tuning.tune(target, "eagle2", {"checkpoint": str(copy)}).seconds > 0  # other weights: tuned again
     settings, tuned = tuning.resolve(target, "eagle2", given)
     assert tuned is not None and settings == {**first.settings, **given}
     assert tuning.resolve(target, "eagle2", {**given, "preset": "paper"}) == (

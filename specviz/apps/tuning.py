@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from drafters import METHODS, build_drafter
-from drafters.checkpoint import CARD, default_path
+from drafters.checkpoint import default_path, weights_file
 from drafters.trained import TrainedDrafter
 from specviz.core.budget import Budget, Option, VerifyCurve, choose, estimate
 from specviz.core.engine import StepRecord, generate, output_ids, run
@@ -139,8 +139,8 @@ def machine_costs(target: TargetModel, refresh: bool = False) -> MachineCosts:
 def _checkpoint_id(name: str, settings: dict) -> str:
     if not issubclass(METHODS[name][0], TrainedDrafter):
         return ""
-    card = Path(settings.get("checkpoint") or default_path(name)) / CARD
-    return hashlib.sha1(card.read_bytes()).hexdigest()[:12] if card.exists() else "none"
+    weights = weights_file(Path(settings.get("checkpoint") or default_path(name)))  # not the card: bench edits it
+    return hashlib.sha1(weights.read_bytes()).hexdigest()[:12] if weights is not None else "none"
 
 
 def tune(target: TargetModel, name: str, given: dict | None = None, refresh: bool = False) -> Tuned:
