@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specviz.core.protocol import Commit, Drafter, DraftRequest, Settings
+from specviz.core.protocol import BudgetGrid, Commit, Drafter, DraftRequest, Settings
 from specviz.core.tree import DraftTree
 
 
@@ -29,6 +29,12 @@ class LookaheadSettings(Settings):
     ranges = {"window": (1, 32), "ngram": (2, 8), "guesses": (0, 64)}
 
     PAPER = {"window": 15, "ngram": 5, "guesses": 15}  # the paper's setting for 7B models on one GPU
+
+    @classmethod
+    def budget_grids(cls, target) -> list[BudgetGrid]:
+        """Window x n-gram x guesses, each warmed up on its own (the pool depends on all three)."""
+        return [BudgetGrid("ngram", "guesses", (("window", w),), depths=(3, 4), sizes=(2, 8), nested=False)
+                for w in (2, 4, 8)]
 
 
 class LookaheadDrafter(Drafter):

@@ -4,6 +4,7 @@ and the tuner and presets end to end on a tiny target."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from conftest import train_tiny_drafter
 from drafters import build_drafter
 from drafters.checkpoint import update_card
+from drafters.lookahead import LookaheadSettings
 from specviz.core.budget import Estimate, Option, VerifyCurve, choose, estimate, kept
 from specviz.core.engine import StepRecord
 from specviz.core.protocol import Commit, DraftRequest
@@ -159,3 +161,22 @@ def test_tune_chooses_from_the_grid_caches_and_presets_override(target, checkpoi
     assert tuning.resolve(target, "ar", {}) == ({}, None)  # nothing to tune
     with pytest.raises(Exception, match="preset must be one of"):
         tuning.resolve(target, "eagle2", {"preset": "fastest"})
+
+
+def test_lookahead_budgets_are_each_warmed_up_and_the_best_is_kept(target, monkeypatch, tmp_path):
+    """Lookahead's pool depends on its window, so no budget is a subset of another: the tuner runs each.
+    With a verify that costs the same at every size (and dwarfs drafting), the most tokens per step wins."""
+    from specviz.apps import tuning
+
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
+    flat = VerifyCurve((1, 512), (1000.0, 1000.0))
+    monkeypatch.setattr(tuning, "machine_costs", lambda *_a, **_k: tuning.MachineCosts(flat, flat, 0.0))
+    grid = [c for g in LookaheadSettings.budget_grids(target) for c in g.candidates()]
+    assert len(grid) == 12 and all(not g.nested for g in LookaheadSettings.budget_grids(target))
+    taus = {json.dumps(settings, sort_keys=True): estimate(tuning._warm_up(
+        target, build_drafter("lookahead", target, **settings)), 1 << 30, 1 << 30).tokens for settings, _, _ in grid}
+    tuned = tuning.tune(target, "lookahead")
+    assert json.dumps(tuned.settings, sort_keys=True) in taus
+    assert tuned.expected_tau == pytest.approx(taus[json.dumps(tuned.settings, sort_keys=True)])
+    assert tuned.expected_tau == pytest.approx(max(taus.values()), rel=0.01)
+    assert len(set(taus.values())) > 1  # the budgets really differ on this target

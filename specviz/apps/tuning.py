@@ -3,7 +3,8 @@
 First use measures the verify-cost curve (``profile``) and AR's own per-step overhead, then warms each
 method up on two short fixed prompts at its largest budget (the acceptance every smaller budget would
 have had follows, ``core.budget``) and times one draft alone at its shallowest and deepest budget (a
-draft costs about one drafter pass per depth, so the depths between are interpolated). The results
+draft costs about one drafter pass per depth, so the depths between are interpolated). A grid whose
+budgets are not nested (lookahead) is warmed up budget by budget instead. The results
 are cached per machine, target, dtype, device and checkpoint.
 """
 
@@ -155,6 +156,12 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
     def measure() -> dict:
         start, options = time.perf_counter(), []
         for grid in grids:
+            if not grid.nested:  # each budget warmed up on its own: its τ, nodes and draft time as measured
+                for settings, _, _ in grid.candidates():
+                    records = _warm_up(target, build_drafter(name, target, **given, **settings))
+                    options.append(Option(settings, estimate(records, 1 << 30, 1 << 30), _per_step(records, "draft"),
+                                          _per_step(records, "accept", "other")))
+                continue
             low, high = min(grid.depths), max(grid.depths)
             records = _warm_up(target, build_drafter(name, target, **given, **grid.settings(high)))
             ends = [_propose_ms(target, build_drafter(name, target, **given, **grid.settings(d))) for d in (low, high)]

@@ -63,13 +63,16 @@ def check_range(name: str, value, low, high) -> None:
 @dataclass(frozen=True)
 class BudgetGrid:
     """The draft budgets a method can take, for ``core.budget``: every (depth, size) on the grid, with
-    ``fixed`` settings held. ``size_key`` None: the size follows the depth (a chain, or beams)."""
+    ``fixed`` settings held. ``size_key`` None: the size follows the depth (a chain, or beams).
+    ``nested`` False: a smaller budget does not draft a subset of a larger one's nodes (lookahead's pool
+    grows from what its window drafted), so the tuner warms up every budget of the grid on its own."""
 
     depth_key: str
     size_key: str | None = None
     fixed: tuple[tuple[str, object], ...] = ()
     depths: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    nested: bool = True
 
     def settings(self, depth: int, size: int | None = None) -> dict:
         values = {**dict(self.fixed), self.depth_key: depth}
@@ -82,10 +85,10 @@ class BudgetGrid:
         return {self.depth_key, *([self.size_key] if self.size_key else []), *dict(self.fixed)}
 
     def candidates(self) -> list[tuple[dict, int, int]]:
-        """(settings, depth, size) for every budget; a size below the depth could not reach it."""
+        """(settings, depth, size) for every budget; a tree smaller than its depth could not reach it."""
         if self.size_key is None:
             return [(self.settings(d), d, 1 << 30) for d in self.depths]
-        return [(self.settings(d, n), d, n) for d in self.depths for n in self.sizes if n >= d]
+        return [(self.settings(d, n), d, n) for d in self.depths for n in self.sizes if n >= d or not self.nested]
 
 
 @dataclass
