@@ -42,6 +42,7 @@ def test_the_chooser_picks_the_known_optimum():
     best = choose(options, curve)
     assert best.settings == {"num_tokens": 4}
     assert best.step_ms == pytest.approx(14.0) and best.tokens_per_step == pytest.approx(3.3616)
+    assert best.phase_ms == {"draft": 4.0, "verify": 10.0, "accept+other": 0.0}
     assert best.expected_speedup == pytest.approx(3.3616 / 14 * 10) and not best.slower_than_ar
 
 

@@ -2,6 +2,7 @@
 
 import json
 import lzma
+import re
 
 import pytest
 import transformers
@@ -52,6 +53,9 @@ def test_bench_writes_the_documented_fields(tiny_folder, tmp_path):
         assert m["identical_to_ar"] == m["prompts"] == 2
         assert m["exactness"] == {"identical": 2, "near-tie": 0, "clear": 0}
     assert result["methods"]["hf"]["identical_to_ar"] == 2  # our AR equals transformers' generate
+    budget = result["methods"]["pld"]["budget"]  # tuned: its expected split per token, next to the measured one
+    assert budget["tuned"] and set(budget["expected_ms_per_token"]) == {"draft", "verify", "accept+other"}
+    assert sum(budget["expected_ms_per_token"].values()) > 0
     assert result["methods"]["ar"]["tau"] == 1.0 and len(result["per_prompt"]) == 2
 
 
@@ -235,6 +239,8 @@ def test_report_renders_a_bench_file(tiny_folder, tmp_path, capsys):
     assert main(["report", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| `ar` | 1.00 |" in table and "| `pld` |" in table and "1 prompts" in table
+    assert "expected against measured:" in table  # the tuned budget's figures next to the measured ones
+    assert re.search(r"\| `pld` \| num_tokens \d+ \| [\d.]+ / [\d.]+ \| [\d.]+× / [\d.]+× \| [\d.]+ · ", table)
     out.write_bytes(out.read_bytes()[:40])
     assert main(["report", str(out)]) == 2
     assert "is not a bench results file" in capsys.readouterr().err

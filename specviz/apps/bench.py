@@ -75,7 +75,8 @@ def _engine_runner(target: TargetModel, name: str, settings: dict, max_new_token
 
     budget = {"settings": settings}
     if tuned is not None:
-        budget.update(tuned=True, expected_tau=tuned.expected_tau, expected_speedup=tuned.expected_speedup)
+        budget.update(tuned=True, expected_tau=tuned.expected_tau, expected_speedup=tuned.expected_speedup,
+                      expected_ms_per_token=tuned.expected_ms_per_token())
     return go, drafter.num_parameters(), budget
 
 

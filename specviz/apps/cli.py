@@ -283,6 +283,27 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def budget_table(results: dict) -> str:
+    """Each tuned method's expected figures next to the measured ones ('' when none was tuned)."""
+    rows = []
+    for label, m in results["methods"].items():
+        b = m.get("budget") or {}
+        if not b.get("tuned"):
+            continue
+        settings = ", ".join(f"{k} {v}" for k, v in b["settings"].items() if k != "checkpoint")
+        want, got = b.get("expected_ms_per_token", {}), m.get("latency_ms", {})
+        split = (" · ".join(f"{want[k]:.1f}" for k in ("draft", "verify", "accept+other")) + " / "
+                 + " · ".join(f"{v:.1f}" for v in (got["draft"], got["verify"], got["accept"] + got["other"]))
+                 if want and got else "–")
+        rows.append(f"| `{label}` | {settings} | {b['expected_tau']:.2f} / {m.get('tau', float('nan')):.2f} "
+                    f"| {b['expected_speedup']:.2f}× / {m['speedup']:.2f}× | {split} |")
+    if not rows:
+        return ""
+    return "\n".join(["| method | tuned budget | τ expected / measured | speedup expected / measured "
+                      "| ms/token draft · verify · accept+other, expected / measured |",
+                      "| --- | --- | --- | --- | --- |", *rows])
+
+
 def cmd_report(args) -> None:
     from .bench import load_results
 
@@ -291,6 +312,9 @@ def cmd_report(args) -> None:
           f"{results['max_new_tokens']} new tokens, "
           f"{results['dtype']}, {results['sampling']['rule']}; {results['machine']}, {results['date']}\n")
     print(markdown_table(results))
+    budgets = budget_table(results)
+    if budgets:
+        print("\nTuned budgets, expected against measured:\n\n" + budgets)
 
 
 def _recipe(args, device: str):

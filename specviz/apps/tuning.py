@@ -50,6 +50,11 @@ class Tuned:
     expected_tau: float
     expected_speedup: float
     seconds: float  # time the tuning took (0 when read from the cache)
+    phase_ms: dict[str, float] | None = None  # expected ms per step: draft, verify, accept+other
+
+    def expected_ms_per_token(self) -> dict[str, float]:
+        """The expected phase split per token, comparable with a bench's measured one."""
+        return {k: v / self.expected_tau for k, v in (self.phase_ms or {}).items()}
 
     @property
     def slower_than_ar(self) -> bool:
@@ -176,7 +181,7 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
 
     value, cached = _cached(f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}", measure, refresh)
     return Tuned(name, value["settings"], value["tokens_per_step"], value["expected_speedup"],
-                 0.0 if cached else value["seconds"])
+                 0.0 if cached else value["seconds"], value.get("phase_ms"))  # older caches lack the phases
 
 
 def resolve(target: TargetModel, name: str, settings: dict) -> tuple[dict, Tuned | None]:

@@ -97,15 +97,20 @@ class Budget:
     tokens_per_step: float
     step_ms: float
     expected_speedup: float  # expected tokens/s over AR's (one-token verifies plus AR's own overhead)
+    phase_ms: dict[str, float] | None = None  # the step's expected draft / verify / accept+other ms
 
     @property
     def slower_than_ar(self) -> bool:
         return self.expected_speedup < 1.0
 
 
-def step_ms(option: Option, curve: VerifyCurve, tree_curve: VerifyCurve | None = None) -> float:
+def phase_ms(option: Option, curve: VerifyCurve, tree_curve: VerifyCurve | None = None) -> dict[str, float]:
     verify = curve if option.chain or tree_curve is None else tree_curve
-    return option.draft_ms + verify(option.estimate.nodes + 1) + option.other_ms
+    return {"draft": option.draft_ms, "verify": verify(option.estimate.nodes + 1), "accept+other": option.other_ms}
+
+
+def step_ms(option: Option, curve: VerifyCurve, tree_curve: VerifyCurve | None = None) -> float:
+    return sum(phase_ms(option, curve, tree_curve).values())
 
 
 def choose(options: Sequence[Option], curve: VerifyCurve, ar_other_ms: float = 0.0,
@@ -117,4 +122,5 @@ def choose(options: Sequence[Option], curve: VerifyCurve, ar_other_ms: float = 0
     best = max(options, key=lambda o: o.estimate.tokens / step_ms(o, curve, tree_curve))
     ms = step_ms(best, curve, tree_curve)
     ar_ms = curve(1) + ar_other_ms
-    return Budget(best.settings, best.estimate.tokens, ms, best.estimate.tokens / ms * ar_ms)
+    return Budget(best.settings, best.estimate.tokens, ms, best.estimate.tokens / ms * ar_ms,
+                  phase_ms(best, curve, tree_curve))
