@@ -14,11 +14,25 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from specviz.core.load import cache_dir  # noqa: E402
 from specviz.core.target import TargetModel  # noqa: E402
 
 # The models here are tiny: intra-op threading only adds overhead (and is very slow when the
 # cores are shared with other processes).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_cache(tmp_path_factory):
+    """The tests' budgets, features and runs go to a cache of their own, not the user's; only the embedded
+    model's one-time conversion is shared (linked when the user's cache has it)."""
+    user, root = cache_dir(), tmp_path_factory.mktemp("specviz-cache")
+    if (user / "smollm2-135m-instruct" / "config.json").exists():
+        (root / "smollm2-135m-instruct").symlink_to(user / "smollm2-135m-instruct")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SPECVIZ_CACHE", str(root))
+    yield root
+    patch.undo()
 
 
 def make_llama(vocab_size: int = 32, seed: int = 0, num_layers: int = 2, std: float = 0.2,
