@@ -440,7 +440,8 @@ def cmd_tune(args) -> None:
             raise SpecvizError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     costs = machine_costs(target, args.refresh)
     for shape, curve in (("chain", costs.chain), ("tree", costs.tree)):
-        print(f"verify cost of a {shape} ({str(target.dtype).replace('torch.', '')}, {target.device}): "
+        print(f"verify cost of a {shape}, fitted non-decreasing ({str(target.dtype).replace('torch.', '')}, "
+              f"{target.device}): "
               + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in zip(curve.tokens, curve.ms)))
     print(f"AR's own per-step overhead {costs.ar_other_ms:.1f} ms")
     for name in names:

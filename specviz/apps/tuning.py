@@ -122,6 +122,8 @@ def _per_step(records: list[StepRecord], *phases: str) -> float:
 
 @dataclass(frozen=True)
 class MachineCosts:
+    """As measured, fitted non-decreasing (``VerifyCurve.fit``)."""
+
     chain: VerifyCurve  # ms to verify n tokens as a chain (plain causal attention)
     tree: VerifyCurve  # ... as a tree (a 4D mask: another attention path, slower on some CPUs)
     ar_other_ms: float  # AR's own per-step overhead besides the verify
@@ -130,7 +132,7 @@ class MachineCosts:
 def machine_costs(target: TargetModel, refresh: bool = False) -> MachineCosts:
     """The verify-cost curves and AR's per-step overhead, measured once per machine and target."""
     def measure() -> dict:
-        sizes, context = (1, 2, 4, 8, 16, 32, 64), min(256, target.max_length - 80)
+        sizes, context = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), min(256, target.max_length - 80)
         curves = {shape: profile(target, context, sizes, repeats=5, tree=shape == "tree")["curve"]
                   for shape in ("chain", "tree")}
         ar = _warm_up(target, build_drafter("ar", target))
@@ -138,7 +140,7 @@ def machine_costs(target: TargetModel, refresh: bool = False) -> MachineCosts:
                 "ar_other_ms": _per_step(ar, "draft", "accept", "other")}
 
     value, _ = _cached(f"costs-{machine_key(target)}", measure, refresh)
-    chain, tree = (VerifyCurve(*map(tuple, zip(*value[shape]))) for shape in ("chain", "tree"))
+    chain, tree = (VerifyCurve.fit(*zip(*value[shape])) for shape in ("chain", "tree"))
     return MachineCosts(chain, tree, value["ar_other_ms"])
 
 

@@ -31,6 +31,21 @@ class VerifyCurve:
         if not self.tokens or len(self.tokens) != len(self.ms) or list(self.tokens) != sorted(set(self.tokens)):
             raise ValueError("a verify curve needs increasing token counts, one time each")
 
+    @classmethod
+    def fit(cls, tokens, ms) -> "VerifyCurve":
+        """The closest non-decreasing curve to the measured one (least squares: pool adjacent violators).
+        More tokens never cost less in a real run: a dip at one size (a kernel that happens to suit it,
+        or noise) is not there when the context and the shapes change from step to step, so a chooser
+        that trusts it picks that size and is slower than it expected."""
+        blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
+        for v in ms:
+            blocks.append([v, 1])
+            while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+                total, count = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += count
+        return cls(tuple(tokens), tuple(total / count for total, count in blocks for _ in range(int(count))))
+
     def __call__(self, n: float) -> float:
         t, ms = self.tokens, self.ms
         if len(t) == 1:
