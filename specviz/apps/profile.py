@@ -18,27 +18,32 @@ from .bench import machine_description
 
 def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 7,
             tree: bool = False) -> dict:
-    """Median ms of one target forward verifying n tokens after ``context`` cached tokens: a chain (plain
-    causal attention), or with ``tree`` a tree (every node a child of the root: the 4D-mask path trees take)."""
+    """Mean ms of one target forward verifying n tokens after ``context`` cached tokens: a chain (plain
+    causal attention), or with ``tree`` a tree (every node a child of the root: the 4D-mask path trees take).
+
+    The sizes take turns within each round (in a rotated order), so a slow spell of the machine lands on
+    every size rather than on all repeats of one; the mean, not the median, is what a decode pays."""
     if context < 1 or context + max(sizes) > target.max_length:
         raise SettingsError(f"context must be in [1, {target.max_length - max(sizes)}], got {context}")
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
     cache = target.new_cache()
     target.prefill(prompt, cache)
-    rows = []
-    for n in tqdm(sizes, desc="profile", unit="size"):
+    drafts = {}
+    for n in sizes:
         tokens = torch.randint(0, target.vocab_size, (n - 1,), generator=gen)
-        draft = DraftTree(tokens, torch.zeros(n - 1, dtype=torch.long)) if tree and n > 2 else DraftTree.chain(tokens)
-        times = []
-        for i in range(repeats + 1):
+        drafts[n] = DraftTree(tokens, torch.zeros(n - 1, dtype=torch.long)) if tree and n > 2 else DraftTree.chain(tokens)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for i in tqdm(range(repeats + 1), desc="profile", unit="round"):
+        order = list(sizes)[i % len(sizes):] + list(sizes)[: i % len(sizes)]
+        for n in order:
             start = now(target.device)
-            target.verify(prompt[-1], draft, cache)
+            target.verify(prompt[-1], drafts[n], cache)
             elapsed = now(target.device) - start
             cache.crop(-n)
-            if i:  # the first call warms up
-                times.append(elapsed)
-        rows.append({"tokens": n, "ms": 1000 * statistics.median(times)})
+            if i:  # the first round warms up
+                times[n].append(elapsed)
+    rows = [{"tokens": n, "ms": 1000 * statistics.fmean(times[n])} for n in sizes]
     base = rows[0]["ms"]
     for r in rows:
         r["relative_to_1"] = r["ms"] / base
