@@ -159,6 +159,11 @@ def test_tune_chooses_from_the_grid_caches_and_presets_override(target, checkpoi
     assert first.expected_tau >= 1.0 and first.expected_speedup > 0
     again = tuning.tune(target, "eagle2", given)
     assert again.seconds == 0 and again.settings == first.settings  # from the cache
+    curves = []  # refreshing a method re-measures the method only, not the machine's curve
+    monkeypatch.setattr(tuning, "profile", lambda *a, **k: curves.append(1) or pytest.fail("curve measured again"))
+    assert tuning.tune(target, "eagle2", given, refresh=True).seconds > 0 and not curves
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
     copy = shutil.copytree(checkpoints["eagle2"], tmp_path / "copy")
     assert tuning.tune(target, "eagle2", {"checkpoint": str(copy)}).seconds > 0
     update_card(copy, mtbench={"eagle2": {"tau": 9.9}})  # a bench's figures on the card: the same weights

@@ -157,7 +157,7 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
     grids = METHODS[name][1].budget_grids(target)
     if not grids:
         return Tuned(name, {}, 1.0, 1.0, 0.0)
-    costs = machine_costs(target, refresh)
+    costs = machine_costs(target)  # measured once per machine: `refresh` re-measures the method, not the curve
     key = json.dumps([machine_key(target), name, sorted(given.items()), _checkpoint_id(name, given)], default=str)
 
     def measure() -> dict:
