@@ -40,7 +40,9 @@ def free_port() -> int:
 
 
 class RunningApp:
-    def __init__(self, target: Path, port: int | None = None, timeout: float = 180, **env_extra: str):
+    def __init__(self, target: Path, port: int | None = None, timeout: float = 480, **env_extra: str):
+        """Start app.py and wait for its page. ``timeout`` bounds the wait, not the speed: the first start
+        tunes every method's budget (the tests' cache starts empty), minutes on a loaded 2-core machine."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         env = {**os.environ, "GRADIO_SERVER_PORT": str(self.port), "GRADIO_ANALYTICS_ENABLED": "False",
