@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue each run from its last saved state (a finished run is reused, a new one starts)")
     t.add_argument("--out", default=None,
                    help="checkpoint folder (default: the run's folder in the cache)")
-    t.add_argument("--ship", action="store_true", help="then copy the final checkpoint into assets/drafters/NAME (weights xz-compressed)")
+    t.add_argument("--ship", action="store_true",
+                   help="then copy the final checkpoint into assets/drafters/NAME (weights xz-compressed)")
 
     sw = sub.add_parser("sweep", help="speed and output quality against temperature, per acceptance rule")
     _common(sw)
