@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
+from specviz.core import xzfile
 from specviz.core.errors import SpecvizError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,8 +57,7 @@ def ship_checkpoint(source: Path, method: str) -> Path:
     if weights is None:
         raise CheckpointError(f"no weights in {source} to ship")
     folder.mkdir(parents=True, exist_ok=True)
-    data = weights.read_bytes()
-    (folder / SHIPPED_WEIGHTS).write_bytes(data if weights.suffix == ".xz" else lzma.compress(data, preset=9))
+    xzfile.write_bytes(folder / SHIPPED_WEIGHTS, xzfile.read_bytes(weights))
     (folder / WEIGHTS).unlink(missing_ok=True)  # a stale uncompressed copy would win over the new one
     shutil.copyfile(Path(source) / CARD, folder / CARD)
     return folder
@@ -100,8 +100,7 @@ def load_checkpoint(folder: str | Path | None, method: str, target) -> tuple[dic
                 f"{method} checkpoint {folder} was trained for a target with {key}={want[key]} "
                 f"({want.get('name', '?')}); this target ({have['name']}) has {key}={have[key]}")
     try:
-        data = weights.read_bytes()
-        state = load(lzma.decompress(data) if weights.suffix == ".xz" else data)
+        state = load(xzfile.read_bytes(weights))
     except (SafetensorError, OSError, ValueError, lzma.LZMAError, EOFError) as e:
         raise CheckpointError(f"{method} checkpoint {weights} is unreadable "
                               f"(corrupt or truncated): {e}") from None

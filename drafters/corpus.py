@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import lzma
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load, load_file, save, save_file
 from tqdm.auto import tqdm
 
+from specviz.core import xzfile
 from specviz.core.errors import SpecvizError
 
 from .distill import ShardedDistill, cast_copy, distill_model, self_distill
@@ -225,13 +225,12 @@ def save_sequences(path: Path, splits: dict[str, list[tuple[torch.Tensor, int]]]
         tensors[f"{name}_answer_starts"] = torch.tensor([a for _, a in seqs])
     data = save(tensors, metadata={"meta": json.dumps(meta)})
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(lzma.compress(data, preset=9) if path.suffix == ".xz" else data)
+    xzfile.write_bytes(path, data)
 
 
 def load_sequences(path: Path) -> dict[str, list[tuple[torch.Tensor, int]]]:
     try:
-        data = path.read_bytes()
-        t = load(lzma.decompress(data) if path.suffix == ".xz" else data)
+        t = load(xzfile.read_bytes(path))
         splits = {}
         for name in ("train", "val"):
             pieces = t[f"{name}_tokens"].long().split(t[f"{name}_lengths"].tolist())
@@ -243,8 +242,7 @@ def load_sequences(path: Path) -> dict[str, list[tuple[torch.Tensor, int]]]:
 
 def sequences_meta(path: Path) -> dict:
     """The data card saved in a sequences file."""
-    data = path.read_bytes()
-    header = lzma.decompress(data) if path.suffix == ".xz" else data
+    header = xzfile.read_bytes(path)
     size = int.from_bytes(header[:8], "little")  # safetensors: an 8-byte header length, then the JSON header
     return json.loads(json.loads(header[8:8 + size])["__metadata__"]["meta"])
 

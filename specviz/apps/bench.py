@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from drafters import build_drafter, parse_spec
 from drafters.checkpoint import CARD, default_path, read_card, shareable_path, update_card
+from specviz.core import xzfile
 from specviz.core.engine import StepRecord, run
 from specviz.core.errors import SettingsError
 from specviz.core.metrics import TIE_TOLERANCE, compare, decode_steps, divergence, extra_memory_pct, token_margins
@@ -218,7 +219,7 @@ def save_results(path: Path, results: dict) -> None:
     leaves the previous version."""
     data = json.dumps(results, indent=1).encode()
     partial = path.with_name(path.name + ".partial")
-    partial.write_bytes(lzma.compress(data) if path.suffix == ".xz" else data)
+    partial.write_bytes(xzfile.compress_for(path, data))
     partial.replace(path)
 
 
@@ -226,8 +227,7 @@ def load_results(path: Path) -> dict:
     if not path.exists():
         raise SettingsError(f"no results file {str(path)!r}")
     try:
-        data = path.read_bytes()
-        return json.loads(lzma.decompress(data) if path.suffix == ".xz" else data)
+        return json.loads(xzfile.read_bytes(path))
     except (lzma.LZMAError, EOFError, ValueError) as e:
         raise SettingsError(f"{path} is not a bench results file ({e})") from None
 

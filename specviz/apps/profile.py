@@ -32,8 +32,10 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
     drafts = {}
     for n in sizes:
         tokens = torch.randint(0, target.vocab_size, (n - 1,), generator=gen)
-        star = DraftTree(tokens, torch.zeros(n - 1, dtype=torch.long)) if tree and n > 2 else None
-        drafts[n] = star if star is not None else DraftTree.chain(tokens)
+        if tree and n > 2:
+            drafts[n] = DraftTree(tokens, torch.zeros(n - 1, dtype=torch.long))
+        else:
+            drafts[n] = DraftTree.chain(tokens)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for i in tqdm(range(repeats + 1), desc="profile", unit="round"):
         order = list(sizes)[i % len(sizes):] + list(sizes)[: i % len(sizes)]
