@@ -334,6 +334,16 @@ def prepare_sequences(target, recipe: DataRecipe, cache: Path | None = None,
     return splits
 
 
+def validation_set(target, recipe: DataRecipe, cache: Path | None = None) -> tuple[FeatureSet, dict]:
+    """The held-out FeatureSet and its data card, read alone when cached (the train set can be gigabytes)."""
+    if cache is not None:
+        path = cache / f"val-{recipe.features_key(target)}.safetensors"
+        if path.exists():
+            return FeatureSet.load(path), stored_meta(path)
+    _, val_set, meta = prepare(target, recipe, cache)
+    return val_set, meta
+
+
 def prepare(target, recipe: DataRecipe, cache: Path | None = None,
             shipped: Path | None = SHIPPED_SEQUENCES) -> tuple[FeatureSet, FeatureSet, dict]:
     """The train and validation FeatureSets for ``target`` and their data card, reusing ``cache``."""

@@ -26,7 +26,7 @@ from specviz.core.errors import SettingsError
 from specviz.core.load import fast_dtype
 from specviz.core.metrics import extra_memory_pct
 
-from .checkpoint import save_checkpoint, target_signature
+from .checkpoint import load_checkpoint, save_checkpoint, target_signature
 from .corpus import FeatureSet, length_batches
 from .distill import cast_copy
 from .trained import TrainedDrafter
@@ -98,6 +98,12 @@ class LayerTaps:
         copy = layers and dtype not in (None, target.dtype)  # most methods tap nothing: no copy of the body
         self.decoder = cast_copy(decoder, dtype) if copy else decoder
 
+    @classmethod
+    def of(cls, method: type[TrainedDrafter], target, data_meta: dict) -> "LayerTaps":
+        """The taps ``method`` reads, in the dtype the data card says the stored features came from."""
+        dtype = data_meta.get("feature_dtype")
+        return cls(target, method.tapped_layers(target.num_layers), getattr(torch, dtype) if dtype else None)
+
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         if not self.layers:
@@ -121,6 +127,14 @@ def evaluate(method: type[TrainedDrafter], net, frozen, data: FeatureSet, cfg: T
                 totals[k] = totals.get(k, 0.0) + v * n
     net.train()
     return {k: round(v / max(weight, 1), 4) for k, v in totals.items()}
+
+
+def validate_checkpoint(method: type[TrainedDrafter], target, folder: Path | None, val_set: FeatureSet,
+                        data_meta: dict, cfg: TrainConfig) -> dict:
+    """A checkpoint's agreement per depth on ``val_set``, measured as training measures it (``evaluate``)."""
+    state, _ = load_checkpoint(folder, method.name, target)
+    net, frozen = method.restore(target, state)
+    return evaluate(method, net, frozen, val_set, cfg, LayerTaps.of(method, target, data_meta))
 
 
 def depths(val: dict) -> str:
@@ -169,9 +183,7 @@ def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: 
     vocab_map = draft_vocabulary(train_set.tokens, cfg.draft_vocab, target.vocab_size, always=eos)
     coverage = float(torch.isin(train_set.tokens, vocab_map).float().mean())
     frozen = FrozenTarget(target, vocab_map)
-    feature_dtype = data_meta.get("feature_dtype")
-    taps = LayerTaps(target, method.tapped_layers(target.num_layers),
-                     getattr(torch, feature_dtype) if feature_dtype else None)
+    taps = LayerTaps.of(method, target, data_meta)
     net = method.new_network(target).float().train()
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     plan = [batches(train_set, cfg, gen) for _ in range(cfg.epochs)]

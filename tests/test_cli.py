@@ -153,6 +153,16 @@ def test_train_then_generate_with_the_checkpoint(tiny_folder, tmp_path, monkeypa
     code = main(["generate", "--target", tiny_folder, "--method", f"eagle2:checkpoint={ckpt}:depth=3",
                  "--prompt", "Say hello.", "--max-new-tokens", "8", "--color", "never"])
     assert code == 0 and "tau" in capsys.readouterr().out
+    # `validate` measures a saved checkpoint on the recipe's held-out split as training did
+    data = ["--target", tiny_folder, "--samples", "6", "--answer-tokens", "8", "--device", "cpu"]
+    out = tmp_path / "val.json"
+    assert main(["validate", "--drafter", "eagle2", *data, "--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    measured = json.loads(out.read_text())
+    assert measured["prompts"] == card["data"]["val_samples"]
+    final = card["history"][-1]["val"]
+    assert measured["validation"]["eagle2"] == pytest.approx(final, abs=2e-3)
+    assert main(["validate", "--drafter", "hass", *data, "--checkpoint", str(ckpt)]) == 2
+    assert "not 'hass'" in capsys.readouterr().err
 
 
 def test_train_several_at_one_budget_and_resume_skips_the_finished(tiny_folder, tmp_path, monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""Command line: ``python -m specviz {generate,bench,profile,report,train,methods}``."""
+"""Command line: ``python -m specviz {generate,bench,profile,report,data,train,validate,tune,sweep,methods}``."""
 
 from __future__ import annotations
 
@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint folder (default: the run's folder in the cache)")
     t.add_argument("--ship", action="store_true",
                    help="then copy the final checkpoint into assets/drafters/NAME (weights xz-compressed)")
+
+    v = sub.add_parser("validate", help="checkpoints' agreement per depth on the held-out split of a data recipe")
+    v.add_argument("--drafter", required=True, help="a trained method, a comma-separated list, or all")
+    _data_args(v)
+    v.add_argument("--feature-dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    v.add_argument("--checkpoint", default=None, help="checkpoint folder (one drafter; default: the shipped one)")
+    v.add_argument("--batch-tokens", type=int, default=4096)
+    v.add_argument("--out", default=None, help="also write the figures to this JSON file")
 
     sw = sub.add_parser("sweep", help="speed and output quality against temperature, per acceptance rule")
     _common(sw)
@@ -404,6 +412,34 @@ def cmd_train(args) -> None:
             print(f"shipped {name} to {ship_checkpoint(finished, name)}")
 
 
+def cmd_validate(args) -> None:
+    """Agreement per depth of existing checkpoints on a recipe's held-out prompts, measured as training does:
+    compare checkpoints trained on different data on one split."""
+    import dataclasses
+
+    from drafters.corpus import validation_set
+    from drafters.train import TrainConfig, depths, validate_checkpoint
+    from specviz.core.load import cache_dir, default_device, load_target, resolve_dtype_or_auto
+
+    names = _drafters_to_train(args.drafter)
+    if args.checkpoint and len(names) > 1:
+        raise SpecvizError("--checkpoint names one checkpoint folder; validate several drafters without it")
+    device = args.device or default_device()
+    recipe = dataclasses.replace(_recipe(args, device), feature_dtype=resolve_dtype_or_auto(args.feature_dtype, device))
+    target = load_target(args.target, "float32", device)
+    val_set, meta = validation_set(target, recipe, cache_dir() / "train")
+    cfg = TrainConfig(batch_tokens=args.batch_tokens, device=device)
+    results = {}
+    print(f"held-out split {recipe.features_key(target)}: {len(val_set)} prompts")
+    for name in names:
+        folder = Path(args.checkpoint) if args.checkpoint else None
+        results[name] = validate_checkpoint(METHODS[name][0], target, folder, val_set, meta, cfg)
+        print(f"{name:10} agreement by depth {depths(results[name])}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"split": recipe.features_key(target), "prompts": len(val_set),
+                                              "validation": results}, indent=2) + "\n")
+
+
 def cmd_sweep(args) -> None:
     from specviz.core.load import load_target
 
@@ -468,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile,
                     "report": cmd_report, "methods": cmd_methods, "train": cmd_train, "data": cmd_data,
-                    "tune": cmd_tune, "sweep": cmd_sweep}
+                    "tune": cmd_tune, "sweep": cmd_sweep, "validate": cmd_validate}
         commands[args.command](args)
     except SpecvizError as e:
         print(f"error: {e}", file=sys.stderr)
