@@ -199,3 +199,27 @@ def test_lookahead_budgets_are_each_warmed_up_and_the_best_is_kept(target, monke
     assert tuned.expected_tau == pytest.approx(taus[json.dumps(tuned.settings, sort_keys=True)])
     assert tuned.expected_tau == pytest.approx(max(taus.values()), rel=0.01)
     assert len(set(taus.values())) > 1  # the budgets really differ on this target
+
+
+def test_warm_up_uses_the_held_out_prompts_that_fit_the_context():
+    """The warm-up drafts on held-out chat prompts (never trained on, not a benchmark's), skipping those that
+    leave no room for the answer and a tree; a context that fits none falls back to fixed random ids."""
+    import transformers
+
+    from conftest import make_llama
+    from drafters.corpus import is_validation
+    from specviz.apps import tuning
+    from specviz.core.load import embedded_folder
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(embedded_folder())
+    model = make_llama(vocab_size=len(tokenizer), max_positions=512)
+    shipped = json.loads(tuning.WARMUP_FILE.read_text())["prompts"]
+    assert len(shipped) == 8 and all(is_validation(p["id"], 0.02) for p in shipped)  # the training split's held-out
+    roomy = TargetModel(model, tokenizer)
+    assert tuning._prompts(roomy) == [roomy.encode_chat(p) for p in tuning.WARMUP_PROMPTS]
+    model.config.max_position_embeddings = 160
+    tight = TargetModel(model, tokenizer)
+    kept = tuning._prompts(tight)
+    assert 0 < len(kept) < 8 and all(len(ids) + tuning.WARMUP_TOKENS + 80 <= 160 for ids in kept)
+    model.config.max_position_embeddings = 64
+    assert [len(ids) for ids in tuning._prompts(TargetModel(model, tokenizer))] == [24] * 8
