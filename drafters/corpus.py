@@ -334,10 +334,15 @@ def prepare_sequences(target, recipe: DataRecipe, cache: Path | None = None,
     return splits
 
 
+def features_file(cache: Path, part: str, key: str) -> Path:
+    """Where ``prepare`` keeps a split's features (``part``: train or val)."""
+    return cache / f"{part}-{key}.safetensors"
+
+
 def validation_set(target, recipe: DataRecipe, cache: Path | None = None) -> tuple[FeatureSet, dict]:
     """The held-out FeatureSet and its data card, read alone when cached (the train set can be gigabytes)."""
     if cache is not None:
-        path = cache / f"val-{recipe.features_key(target)}.safetensors"
+        path = features_file(cache, "val", recipe.features_key(target))
         if path.exists():
             return FeatureSet.load(path), stored_meta(path)
     _, val_set, meta = prepare(target, recipe, cache)
@@ -350,7 +355,7 @@ def prepare(target, recipe: DataRecipe, cache: Path | None = None,
     meta, key = recipe.card(target), recipe.features_key(target)
     paths = None
     if cache is not None:
-        paths = (cache / f"train-{key}.safetensors", cache / f"val-{key}.safetensors")
+        paths = (features_file(cache, "train", key), features_file(cache, "val", key))
         if all(p.exists() for p in paths):
             return FeatureSet.load(paths[0]), FeatureSet.load(paths[1]), stored_meta(paths[0])
     splits = prepare_sequences(target, recipe, cache, shipped)

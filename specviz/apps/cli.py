@@ -333,9 +333,11 @@ def _recipe(args, device: str):
     samples = None if args.samples == "all" else int(args.samples) if args.samples.isdigit() else 0
     if samples is not None and samples < 1:
         raise SpecvizError(f"--samples must be a positive number or 'all', got {args.samples!r}")
+    feature_dtype = getattr(args, "feature_dtype", None)  # train and validate read features; data does not
     return DataRecipe(samples, not args.no_self_distill, args.max_prompt_tokens, args.answer_tokens,
                       batch_size=args.distill_batch, prompts=args.prompts,
-                      distill_dtype=resolve_dtype_or_auto(args.distill_dtype, device))
+                      distill_dtype=resolve_dtype_or_auto(args.distill_dtype, device),
+                      feature_dtype=resolve_dtype_or_auto(feature_dtype, device) if feature_dtype else None)
 
 
 def cmd_data(args) -> None:
@@ -367,20 +369,19 @@ def _drafters_to_train(spec: str) -> list[str]:
 
 def cmd_train(args) -> None:
     """Train one drafter, a list, or all of them at one equal budget (same data, config and epochs)."""
-    import dataclasses
     import hashlib
     import shutil
 
     from drafters.checkpoint import CARD, ship_checkpoint
     from drafters.corpus import prepare
     from drafters.train import OUTSIDE_RUN_KEY, TrainConfig, make_accelerator, train
-    from specviz.core.load import cache_dir, default_device, load_target, resolve_dtype_or_auto
+    from specviz.core.load import cache_dir, default_device, load_target
 
     names = _drafters_to_train(args.drafter)
     if args.out and len(names) > 1:
         raise SpecvizError("--out names one checkpoint folder; train several drafters without it")
     device = args.device or default_device()
-    recipe = dataclasses.replace(_recipe(args, device), feature_dtype=resolve_dtype_or_auto(args.feature_dtype, device))
+    recipe = _recipe(args, device)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
                       seed=args.seed, device=device, precision=args.precision, save_every=args.save_every,
                       validate_every=args.validate_every)
@@ -415,24 +416,21 @@ def cmd_train(args) -> None:
 def cmd_validate(args) -> None:
     """Agreement per depth of existing checkpoints on a recipe's held-out prompts, measured as training does:
     compare checkpoints trained on different data on one split."""
-    import dataclasses
-
     from drafters.corpus import validation_set
     from drafters.train import TrainConfig, depths, validate_checkpoint
-    from specviz.core.load import cache_dir, default_device, load_target, resolve_dtype_or_auto
+    from specviz.core.load import cache_dir, default_device, load_target
 
     names = _drafters_to_train(args.drafter)
     if args.checkpoint and len(names) > 1:
         raise SpecvizError("--checkpoint names one checkpoint folder; validate several drafters without it")
     device = args.device or default_device()
-    recipe = dataclasses.replace(_recipe(args, device), feature_dtype=resolve_dtype_or_auto(args.feature_dtype, device))
+    recipe = _recipe(args, device)
     target = load_target(args.target, "float32", device)
     val_set, meta = validation_set(target, recipe, cache_dir() / "train")
     cfg = TrainConfig(batch_tokens=args.batch_tokens, device=device)
-    results = {}
+    folder, results = Path(args.checkpoint) if args.checkpoint else None, {}
     print(f"held-out split {recipe.features_key(target)}: {len(val_set)} prompts")
     for name in names:
-        folder = Path(args.checkpoint) if args.checkpoint else None
         results[name] = validate_checkpoint(METHODS[name][0], target, folder, val_set, meta, cfg)
         print(f"{name:10} agreement by depth {depths(results[name])}", flush=True)
     if args.out:
