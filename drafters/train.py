@@ -177,6 +177,13 @@ def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: 
     accelerator = accelerator or make_accelerator(cfg)
     if target.device != accelerator.device:
         raise SettingsError(f"the target is on {target.device}, this process trains on {accelerator.device}")
+    try:
+        return _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume, accelerator, after_step)
+    finally:  # an accelerator saves every object it prepared: the next drafter's state must hold only its own
+        accelerator.free_memory()
+
+
+def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume, accelerator, after_step) -> dict:
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     eos = sorted(target.eos_token_ids)

@@ -59,6 +59,23 @@ def test_a_killed_run_resumes_to_the_unbroken_weights(method, target, data, tmp_
         assert again["training"]["answer_tokens_seen"] == whole["training"]["answer_tokens_seen"]
 
 
+def test_drafters_trained_one_after_another_on_one_accelerator_each_resume(target, data, tmp_path):
+    """`specviz train --drafter a,b` shares one accelerator; b's saved state must hold b alone."""
+    from drafters.train import make_accelerator
+
+    cfg = TrainConfig(epochs=1, batch_tokens=128, lr=3e-3, draft_vocab=32, save_every=3)
+    eagle2, redrafter = METHODS["eagle2"][0], METHODS["redrafter"][0]
+    shared = make_accelerator(cfg)
+    train(eagle2, target, data, data, cfg, {}, None, tmp_path / "first", accelerator=shared)
+    with pytest.raises(Killed):
+        train(redrafter, target, data, data, cfg, {}, None, tmp_path / "second", accelerator=shared,
+              after_step=kill_at(4))
+    train(redrafter, target, data, data, cfg, {}, tmp_path / "resumed", tmp_path / "second", resume=True)
+    train(redrafter, target, data, data, cfg, {}, tmp_path / "whole", tmp_path / "unbroken")
+    a, b = (load_file(str(tmp_path / f / "weights.safetensors")) for f in ("whole", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_validation_within_an_epoch_is_recorded_and_changes_no_weight(target, data, tmp_path):
     cfg = TrainConfig(epochs=1, batch_tokens=128, lr=3e-3, draft_vocab=32)
     plain = train(METHODS["hass"][0], target, data, data, cfg, {}, tmp_path / "plain")
