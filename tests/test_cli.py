@@ -242,7 +242,7 @@ def test_report_renders_a_bench_file(tiny_folder, tmp_path, capsys):
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Count: one two one two"]}))
     out = tmp_path / "results.json.xz"  # compressed by its name
-    assert main(["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "pld",
+    assert main(["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "pld,lookahead",
                  "--max-new-tokens", "6", "--out", str(out)]) == 0
     assert json.loads(lzma.decompress(out.read_bytes()))["methods"]["pld"]["prompts"] == 1
     capsys.readouterr()
@@ -251,6 +251,7 @@ def test_report_renders_a_bench_file(tiny_folder, tmp_path, capsys):
     assert "| `ar` | 1.00 |" in table and "| `pld` |" in table and "1 prompts" in table
     assert "expected against measured:" in table  # the tuned budget's figures next to the measured ones
     assert re.search(r"\| `pld` \| num_tokens \d+ \| [\d.]+ / [\d.]+ \| [\d.]+× / [\d.]+× \| [\d.]+ · ", table)
+    assert re.search(r"orderings, at equal budgets:\n\n.*\n.*\n\| Lookahead \(2024\): `lookahead` over `pld` ", table)
     out.write_bytes(out.read_bytes()[:40])
     assert main(["report", str(out)]) == 2
     assert "is not a bench results file" in capsys.readouterr().err

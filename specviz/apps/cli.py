@@ -315,6 +315,7 @@ def budget_table(results: dict) -> str:
 
 def cmd_report(args) -> None:
     from .bench import load_results
+    from .orderings import ordering_table
 
     results = load_results(Path(args.results))
     print(f"{results.get('questions', '?')}, {len(results['per_prompt'])} prompts, "
@@ -324,6 +325,9 @@ def cmd_report(args) -> None:
     budgets = budget_table(results)
     if budgets:
         print("\nTuned budgets, expected against measured:\n\n" + budgets)
+    orderings = ordering_table(results)
+    if orderings:
+        print("\nThe papers' orderings, at equal budgets:\n\n" + orderings)
 
 
 def _recipe(args, device: str):

@@ -1,0 +1,66 @@
+"""The papers' orderings checked against a bench file: each claim's two methods at one draft budget, their τ
+ratio and whether it clears the bar the issue sets from the paper (τ is the tokens per target forward)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from drafters import METHODS
+
+from .bench import parse_method
+
+PAPER_TREE = {"depth": 6, "top_k": 10, "total_tokens": 60}  # EAGLE-2's, shared by every dynamic-tree method
+TREE_16 = {"depth": 4, "top_k": 4, "total_tokens": 16}
+MEDUSA_CHAIN_4 = {"heads": 4, "top_k": 1, "total_tokens": 4}
+
+
+@dataclass(frozen=True)
+class Claim:
+    paper: str  # where the ordering comes from
+    ours: tuple[str, dict]  # the method the paper proposes, at its settings
+    baseline: tuple[str, dict]
+    bar: float | None  # τ(ours) / τ(baseline) must reach this; None: reported only
+    budget: str
+
+
+def _claims() -> list[Claim]:
+    trees = [(PAPER_TREE, "EAGLE-2's paper tree (6/10/60)"), (TREE_16, "16-token tree (4/4/16)")]
+    claims = []
+    for tree, budget in trees:
+        claims += [Claim("HASS (2024)", ("hass", tree), ("eagle2", tree), 1.05, budget),
+                   Claim("FSPAD (2024)", ("fspad", tree), ("eagle2", tree), 1.03, budget),
+                   Claim("EAGLE-3 (2025)", ("eagle3", tree), ("hass", tree), 1.10, budget)]
+    paper = {"preset": "paper"}
+    return claims + [
+        Claim("ReDrafter (2024)", ("redrafter", paper), ("medusa", paper), 1.15,
+              "16 nodes (4 beams × 4, Medusa 4/4/16)"),
+        Claim("Semi-AR", ("semi-attn", paper), ("medusa", MEDUSA_CHAIN_4), 1.0, "chains of 4"),
+        Claim("Semi-AR", ("semi-lstm", paper), ("medusa", MEDUSA_CHAIN_4), 1.0, "chains of 4"),
+        Claim("Lookahead (2024)", ("lookahead", {}), ("pld", {}), None, "each at its default"),
+    ]
+
+
+def _key(name: str, settings: dict) -> tuple:
+    settings = {k: str(v) for k, v in settings.items() if k != "checkpoint"}
+    if settings.pop("preset", None) == "paper" and name in METHODS:
+        settings = {**{k: str(v) for k, v in METHODS[name][1].PAPER.items()}, **settings}
+    return name, tuple(sorted(settings.items()))
+
+
+def ordering_table(results: dict) -> str:
+    """A Markdown table of every claim whose two methods the bench ran ('' when none)."""
+    runs = {_key(*parse_method(label)): (label, m) for label, m in results["methods"].items() if "tau" in m}
+    rows = []
+    for c in _claims():
+        a, b = runs.get(_key(*c.ours)), runs.get(_key(*c.baseline))
+        if a is None or b is None:
+            continue
+        ratio = a[1]["tau"] / b[1]["tau"]
+        speed = a[1]["speedup"] / b[1]["speedup"]
+        verdict = "–" if c.bar is None else f"≥ {c.bar:.2f}: " + ("**holds**" if ratio >= c.bar else "does not hold")
+        rows.append(f"| {c.paper}: `{c.ours[0]}` over `{c.baseline[0]}` | {c.budget} | {a[1]['tau']:.2f} / "
+                    f"{b[1]['tau']:.2f} | {ratio:.3f} | {verdict} | {speed:.2f} |")
+    if not rows:
+        return ""
+    return "\n".join(["| claim | budget | τ ours / baseline | τ ratio | bar | speed ratio |",
+                      "| --- | --- | --- | --- | --- | --- |", *rows])
