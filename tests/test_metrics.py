@@ -49,11 +49,19 @@ def test_tau_counts_the_bonus_token():
 
 def test_alpha_conditional_and_unconditional_by_hand():
     cond, uncond = acceptance_by_depth(RECORDS)
-    # depth 1: reached by 4 steps, accepted by 3 (steps 1, 3, 4)
-    # depth 2: reached by 3 steps (1, 2, 4), accepted by 2 (steps 1, 4)
-    # depth 3: reached by 2 steps (1, 2), accepted by none
-    assert cond == pytest.approx([3 / 4, 2 / 3, 0 / 2])
+    # depth 1: tested by all 4 steps, accepted by 3 (steps 1, 3, 4)
+    # depth 2: tested by steps 1 and 4 (step 2 stopped at depth 1, step 3's chain ends there), accepted by both
+    # depth 3: tested by step 1 only, accepted by none
+    assert cond == pytest.approx([3 / 4, 2 / 2, 0 / 1])
     assert uncond == pytest.approx([3 / 4, 2 / 4, 0 / 4])
+
+
+def test_alpha_conditional_counts_a_depth_only_below_the_accepted_node():
+    tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([0, 0, 1]))  # nodes 1, 2 at depth 1; node 3 under 1
+    below_a_leaf = StepRecord(1, tree, [2], [6, 9], 9, torch.zeros(3), 1.0)  # kept node 2, which has no child
+    below_a_parent = StepRecord(2, tree, [1], [5, 9], 9, torch.zeros(3), 1.0)  # kept node 1, rejected node 3
+    assert acceptance_by_depth([PREFILL, below_a_leaf]) == ([1.0, 0.0], [1.0, 0.0])
+    assert acceptance_by_depth([PREFILL, below_a_leaf, below_a_parent]) == ([1.0, 0 / 1], [1.0, 0.0])
 
 
 def test_alpha_of_a_run_without_drafts_is_empty():

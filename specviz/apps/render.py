@@ -158,7 +158,7 @@ def acceptance_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
             fig.add_trace(go.Scatter(x=depth, y=values, mode="lines+markers", name=label, legendgroup=label,
                                      showlegend=kind == "conditional", line=dict(color=colours[label], dash=dash),
                                      hovertemplate=f"{label} {kind}: α_%{{x}} = %{{y:.2f}}<extra></extra>"))
-    fig.update_layout(title="α_k per draft depth<br><sup>solid: conditional (÷ steps whose draft reached k) · "
+    fig.update_layout(title="α_k per draft depth<br><sup>solid: conditional (÷ steps that tested depth k) · "
                       "dashed: unconditional (÷ all steps)</sup>", legend=COMPACT_LEGEND,
                       xaxis=dict(title="draft depth k", dtick=1), yaxis_title="α_k", yaxis_range=[0, 1.05], **LAYOUT)
     return fig

@@ -1,7 +1,8 @@
 """Run metrics and run comparisons from StepRecords: the one place for these definitions.
 
 - tau: tokens per target forward over the decode steps, bonus included (AR = 1.0).
-- alpha_conditional[k]: accepted at depth k / steps whose draft reached depth k (Spec-Bench, EAGLE).
+- alpha_conditional[k]: accepted at depth k / steps whose verification tested depth k, that is, accepted
+  the k-1 drafts before it and had a draft below them (EAGLE's alpha, Spec-Bench).
 - alpha_unconditional[k]: accepted at depth k / all decode steps (vLLM).
 - speedup: AR's time per token over the method's (same prompts, same process).
 - identical to AR: the same tokens as AR (so far, while either still runs).
@@ -47,16 +48,21 @@ def tau(records: Sequence[StepRecord]) -> float:
 
 
 def acceptance_by_depth(records: Sequence[StepRecord]) -> tuple[list[float], list[float]]:
-    """(conditional, unconditional) α for depths 1..deepest draft; see the module docstring."""
+    """(conditional, unconditional) α for depths 1..deepest draft; see the module docstring.
+
+    Verification tests depth k when it accepted the k-1 drafts before it and the last of them (the root for
+    k = 1) has a child in the draft: EAGLE's count (its ``alpha_num``)."""
     decode = decode_steps(records)
     depth = max((r.tree.max_depth for r in decode), default=0)
-    cond, uncond = [], []
-    for k in range(1, depth + 1):
-        reached = sum(r.tree.max_depth >= k for r in decode)
-        accepted = sum(r.accepted >= k for r in decode)
-        cond.append(accepted / reached if reached else 0.0)
-        uncond.append(accepted / len(decode) if decode else 0.0)
-    return cond, uncond
+    tested, accepted = [0] * depth, [0] * depth
+    for r in decode:
+        parents = set(r.tree.parents.tolist())
+        for k, node in enumerate([0, *r.path][:depth]):  # the node depth k + 1 hangs from
+            tested[k] += node in parents
+        for k in range(r.accepted):
+            accepted[k] += 1
+    cond = [a / t if t else 0.0 for a, t in zip(accepted, tested)]
+    return cond, [a / len(decode) for a in accepted]
 
 
 def speedup(tokens: int, wall_s: float, ar_tokens: int, ar_wall_s: float) -> float:
