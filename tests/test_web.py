@@ -220,6 +220,19 @@ def test_learn_tab_names_papers_not_internal_labels(state):
     assert len(figure.layout.shapes) == 5 and any("RNN" in b for b in boxes) and any("beams" in b for b in boxes)
 
 
+def test_a_trained_method_note_says_what_its_checkpoint_saw():
+    card = {"data": {"train_samples": 13655, "self_distilled": True},
+            "training": {"answer_tokens_seen": 2774483, "epochs": 1, "steps": 1013, "wall_s": 4075.5,
+                         "machine": "x86_64 2 threads"},
+            "history": [{"epoch": 1, "val": {"acc1": 0.4663, "acc2": 0.4094, "acc3": 0.3956, "acc4": 0.3826}}]}
+    text = teaching.note("hass", "HASS", 4_000_000, 3.0, card)
+    assert ("**This checkpoint (its card):** 13,655 self-distilled ShareGPT prompts; 2.77M answer tokens seen in "
+            "1 epoch, 1,013 steps; 68 min on x86_64 2 threads; held-out agreement with the target at depths 1–4: "
+            "0.47 / 0.41 / 0.40 / 0.38") in text
+    assert "This checkpoint" not in teaching.note("pld", "PLD", 0, 0.0)
+    assert teaching.checkpoint_facts({"method": "x"}) == "no training facts on its card"
+
+
 def test_the_page_builds_without_a_server(state):
     demo = build_demo(state)
     ids = {c.get("props", {}).get("elem_id") for c in demo.config["components"]}

@@ -29,8 +29,9 @@ READING = (
     "(AR = 1). α_k has two definitions, both plotted: *conditional* divides the drafts accepted at depth k by "
     "the steps that tested depth k, having accepted the k-1 before it (EAGLE, Spec-Bench); *unconditional* "
     "divides by all steps (vLLM), so it can only fall with depth. "
-    "The trained drafters here were trained on a 2-core CPU at reduced scale (1,000 ShareGPT prompts), so "
-    "their τ is far below the papers'; each reuses the target's frozen LM head behind a learned projection "
+    "The trained drafters here were trained on a 2-core CPU, far below the papers' scale (each method's note "
+    "says what its checkpoint saw), so their τ is far below the papers'; each reuses the target's frozen "
+    "LM head behind a learned projection "
     "(an allowed deviation, stated on its card)."
 )
 
@@ -146,8 +147,29 @@ DIAGRAMS = {
 }
 
 
-def note(method: str, title: str, params: int, extra_pct: float) -> str:
+def note(method: str, title: str, params: int, extra_pct: float, card: dict | None = None) -> str:
     n = NOTES.get(method, UNKNOWN)
-    return (f"### {method}\n{title}\n\n- **Drafts from:** {n.source}\n- **Trained:** {n.training}\n"
+    budget = f"- **This checkpoint (its card):** {checkpoint_facts(card)}\n" if card else ""
+    return (f"### {method}\n{title}\n\n- **Drafts from:** {n.source}\n- **Trained:** {n.training}\n{budget}"
             f"- **Paper:** {n.paper}\n- **Parameters added:** {params:,} ({extra_pct:.1f} % of the target)\n"
             f"- **What the plots should show:** {n.look}\n")
+
+
+def checkpoint_facts(card: dict) -> str:
+    """What a trained checkpoint saw and how well it agrees with the target, from its card."""
+    data, training = card.get("data") or {}, card.get("training") or {}
+    facts = []
+    if "train_samples" in data:
+        distilled = "self-distilled " if data.get("self_distilled") else ""
+        facts.append(f"{data['train_samples']:,} {distilled}ShareGPT prompts")
+    if "answer_tokens_seen" in training:
+        epochs = training.get("epochs", "?")
+        facts.append(f"{training['answer_tokens_seen'] / 1e6:.2f}M answer tokens seen in {epochs} "
+                     f"epoch{'' if epochs == 1 else 's'}, {training.get('steps', 0):,} steps")
+    if "wall_s" in training:
+        facts.append(f"{training['wall_s'] / 60:.0f} min on {training.get('machine', '?')}")
+    val = ((card.get("history") or [{}])[-1]).get("val") or {}
+    agreement = [val[f"acc{d}"] for d in range(1, 5) if f"acc{d}" in val]
+    if agreement:
+        facts.append("held-out agreement with the target at depths 1–4: " + " / ".join(f"{a:.2f}" for a in agreement))
+    return "; ".join(facts) or "no training facts on its card"

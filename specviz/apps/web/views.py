@@ -180,7 +180,8 @@ def learn_text(state: AppState, notes: bool = True) -> str:
 def method_note(state: AppState, name: str) -> str:
     drafter = state.drafters[name]
     params = drafter.num_parameters()
-    return teaching.note(name, drafter.title, params, extra_memory_pct(params, state.target.num_parameters))
+    return teaching.note(name, drafter.title, params, extra_memory_pct(params, state.target.num_parameters),
+                         getattr(drafter, "card", None))
 
 
 def method_figure(name: str):
