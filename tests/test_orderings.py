@@ -5,15 +5,15 @@ from __future__ import annotations
 from specviz.apps.orderings import ordering_table
 
 
-def run(tau: float, speedup: float = 1.0) -> dict:
-    return {"tau": tau, "speedup": speedup}
+def run(tau: float, speedup: float = 1.0, alpha: tuple = ()) -> dict:
+    return {"tau": tau, "speedup": speedup, "alpha_conditional": list(alpha)}
 
 
 def test_a_preset_and_its_explicit_settings_name_the_same_run_and_the_bar_decides():
     results = {"methods": {
         "ar": run(1.0),
-        "eagle2:preset=paper": run(2.0, 0.5),
-        "hass:depth=6:top_k=10:total_tokens=60": run(2.2, 0.6),  # +10 %: clears HASS's 5 %
+        "eagle2:preset=paper": run(2.0, 0.5, (0.6, 0.5, 0.4, 0.3, 0.2)),
+        "hass:depth=6:top_k=10:total_tokens=60": run(2.2, 0.6, (0.55, 0.6)),  # +10 %: clears HASS's 5 %
         "fspad:total_tokens=60:depth=6:top_k=10": run(2.04, 0.5),  # +2 %: short of FSPAD's 3 %
         "redrafter:preset=paper": run(1.5), "medusa:heads=4:top_k=4:total_tokens=16": run(1.25),
     }}
@@ -21,11 +21,12 @@ def test_a_preset_and_its_explicit_settings_name_the_same_run_and_the_bar_decide
     assert len(rows) == 3  # eagle3, the 16-token tree, semi-AR and lookahead were not run
     hass, fspad, redrafter = rows
     assert "`hass` over `eagle2`" in hass and "2.20 / 2.00 | 1.100 | ≥ 1.05: **holds** | 1.20 |" in hass
+    assert hass.endswith("| 0.55 / 0.60 vs 0.60 / 0.50 / 0.40 / 0.30 |")  # the per-depth figures, four at most
     assert "`fspad` over `eagle2`" in fspad and "1.020 | ≥ 1.03: does not hold" in fspad
     assert "`redrafter` over `medusa`" in redrafter and "1.200 | ≥ 1.15: **holds**" in redrafter
 
 
 def test_a_claim_without_a_bar_is_reported_and_nothing_matched_is_empty():
     rows = ordering_table({"methods": {"pld": run(1.5, 1.2), "lookahead": run(1.8, 0.9)}}).splitlines()
-    assert len(rows) == 3 and "1.80 / 1.50 | 1.200 | – | 0.75 |" in rows[2]
+    assert len(rows) == 3 and "1.80 / 1.50 | 1.200 | – | 0.75 | – vs – |" in rows[2]
     assert ordering_table({"methods": {"ar": run(1.0), "eagle2": run(1.5)}}) == ""
