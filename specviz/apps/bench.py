@@ -198,6 +198,13 @@ def _row(q: Question, prompt_tokens: int, done: dict[str, PromptRun], tolerance:
     return row
 
 
+def markdown_rows(header: list[str], rows: list[str]) -> str:
+    """A Markdown table from its column names and its rows ('' when there are no rows)."""
+    if not rows:
+        return ""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + " --- |" * len(header), *rows])
+
+
 def exactness_text(m: dict) -> str:
     """'8/8', or with near-ties and clear divergences counted apart: '5/8 (+3 near-ties, 0 clear)'."""
     text = f"{m['identical_to_ar']}/{m['prompts']}"

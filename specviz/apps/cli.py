@@ -275,13 +275,9 @@ def cmd_profile(args) -> None:
 
 def markdown_table(results: dict) -> str:
     """τ, α, speed and equality per method, in the README's format."""
-    from .bench import exactness_text
+    from .bench import exactness_text, markdown_rows
 
-    lines = [
-        "| method | τ | α_1..4 conditional | α_1..4 unconditional | tok/s | speedup vs ar | identical to AR "
-        "| ms/token draft · verify · accept · other |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    lines = []
     for label, m in results["methods"].items():
         tau = f"{m['tau']:.2f}" if "tau" in m else "–"
         cond = " / ".join(f"{a:.2f}" for a in m.get("alpha_conditional", [])[:4]) or "–"
@@ -289,11 +285,14 @@ def markdown_table(results: dict) -> str:
         lat = " · ".join(f"{v:.1f}" for v in m["latency_ms"].values()) if "latency_ms" in m else "–"
         lines.append(f"| `{label}` | {tau} | {cond} | {uncond} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}× "
                      f"| {exactness_text(m)} | {lat} |")
-    return "\n".join(lines)
+    return markdown_rows(["method", "τ", "α_1..4 conditional", "α_1..4 unconditional", "tok/s", "speedup vs ar",
+                          "identical to AR", "ms/token draft · verify · accept · other"], lines)
 
 
 def budget_table(results: dict) -> str:
     """Each tuned method's expected figures next to the measured ones ('' when none was tuned)."""
+    from .bench import markdown_rows
+
     rows = []
     for label, m in results["methods"].items():
         b = m.get("budget") or {}
@@ -306,11 +305,8 @@ def budget_table(results: dict) -> str:
                  if want and got else "–")
         rows.append(f"| `{label}` | {settings} | {b['expected_tau']:.2f} / {m.get('tau', float('nan')):.2f} "
                     f"| {b['expected_speedup']:.2f}× / {m['speedup']:.2f}× | {split} |")
-    if not rows:
-        return ""
-    return "\n".join(["| method | tuned budget | τ expected / measured | speedup expected / measured "
-                      "| ms/token draft · verify · accept+other, expected / measured |",
-                      "| --- | --- | --- | --- | --- |", *rows])
+    return markdown_rows(["method", "tuned budget", "τ expected / measured", "speedup expected / measured",
+                          "ms/token draft · verify · accept+other, expected / measured"], rows)
 
 
 def cmd_report(args) -> None:

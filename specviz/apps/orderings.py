@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from drafters import METHODS
 
-from .bench import parse_method
+from .bench import markdown_rows, parse_method
 
 PAPER_TREE = {"depth": 6, "top_k": 10, "total_tokens": 60}  # EAGLE-2's, shared by every dynamic-tree method
 TREE_16 = {"depth": 4, "top_k": 4, "total_tokens": 16}
@@ -62,8 +62,5 @@ def ordering_table(results: dict) -> str:
                              for m in (a[1], b[1]))
         rows.append(f"| {c.paper}: `{c.ours[0]}` over `{c.baseline[0]}` | {c.budget} | {a[1]['tau']:.2f} / "
                     f"{b[1]['tau']:.2f} | {ratio:.3f} | {verdict} | {speed:.2f} | {alphas} |")
-    if not rows:
-        return ""
-    return "\n".join(["| claim | budget | τ ours / baseline | τ ratio | bar | speed ratio "
-                      "| α_1..4 conditional, ours vs baseline |",
-                      "| --- | --- | --- | --- | --- | --- | --- |", *rows])
+    return markdown_rows(["claim", "budget", "τ ours / baseline", "τ ratio", "bar", "speed ratio",
+                          "α_1..4 conditional, ours vs baseline"], rows)
