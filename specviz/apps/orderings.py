@@ -9,7 +9,7 @@ from drafters import METHODS
 
 from .bench import markdown_rows, parse_method
 
-PAPER_TREE = {"depth": 6, "top_k": 10, "total_tokens": 60}  # EAGLE-2's, shared by every dynamic-tree method
+PAPER_TREE = METHODS["eagle2"][1].PAPER  # EAGLE-2's 6/10/60 tree, shared by every dynamic-tree method
 TREE_16 = {"depth": 4, "top_k": 4, "total_tokens": 16}
 MEDUSA_CHAIN_4 = {"heads": 4, "top_k": 1, "total_tokens": 4}
 

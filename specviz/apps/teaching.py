@@ -30,7 +30,7 @@ READING = (
     "the steps that tested depth k, having accepted the k-1 before it (EAGLE, Spec-Bench); *unconditional* "
     "divides by all steps (vLLM), so it can only fall with depth. "
     "The trained drafters here were trained on a 2-core CPU, far below the papers' scale (each method's note "
-    "says what its checkpoint saw), so their τ is far below the papers'; each reuses the target's frozen "
+    "says what its checkpoint saw), so their τ is too; each reuses the target's frozen "
     "LM head behind a learned projection "
     "(an allowed deviation, stated on its card)."
 )
