@@ -175,7 +175,7 @@ def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: 
     epoch; ``resume`` continues from it. The target must sit on the accelerator's device (one process
     per device under ``accelerate launch``). ``after_step(step)`` runs after every optimizer step."""
     accelerator = accelerator or make_accelerator(cfg)
-    if target.device != accelerator.device:
+    if not same_device(target.device, accelerator.device):
         raise SettingsError(f"the target is on {target.device}, this process trains on {accelerator.device}")
     try:
         return _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume, accelerator, after_step)
@@ -283,6 +283,12 @@ def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume
         weights["vocab_map"] = vocab_map.int()
         save_checkpoint(out, weights, card)
     return card
+
+
+def same_device(a, b) -> bool:
+    """``cuda`` and ``cuda:0`` are one device (accelerate says the first, a model's parameters the second)."""
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:

@@ -137,6 +137,7 @@ def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: i
                for _ in range(60)]
     answers = self_distill(target, prompts, 24, 16)
     data = extract_features(target, [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers)])
-    cfg = TrainConfig(epochs=epochs, batch_tokens=256, lr=3e-3, draft_vocab=max(2, vocab * 3 // 4), seed=seed)
+    cfg = TrainConfig(epochs=epochs, batch_tokens=256, lr=3e-3, draft_vocab=max(2, vocab * 3 // 4), seed=seed,
+                      device=str(target.device))  # a target on a GPU trains its drafter there
     train(METHODS[method][0], target, data, data, cfg, {"source": "random prompts, self-distilled"}, out=folder)
     return folder

@@ -95,3 +95,20 @@ def test_training_data_is_made_on_a_gpu_as_on_the_cpu(target, fake_cuda):
         assert gpu_taps.device.type == "cuda"
     assert torch.equal(on_gpu.features, features.features) and torch.equal(on_gpu.tokens, features.tokens)
     assert torch.equal(gpu_taps.cpu(), taps)
+
+
+real_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on a lent one)")
+
+
+@real_gpu
+@pytest.mark.parametrize("method", sorted(drafters.METHODS))
+def test_every_method_decodes_on_a_real_gpu_as_on_the_cpu(method, target):
+    """On real CUDA kernels: greedy fp32 output equals the CPU's, and sampling runs to length on the device
+    (a CUDA generator draws other numbers than a CPU one, so sampled tokens are compared to nothing)."""
+    want = [run(target, build(method, target), p, n, stop_on_eos=False).output_ids for p, n in CASES]
+    gpu = TargetModel(make_llama(VOCAB, seed=0, num_layers=4).to("cuda"))
+    drafter = build(method, gpu)
+    for (p, n), greedy in zip(CASES, want):
+        assert run(gpu, drafter, p, n, stop_on_eos=False).output_ids == greedy
+        sampled = run(gpu, drafter, p, n, Sampling(temperature=1.0, seed=7), stop_on_eos=False).output_ids
+        assert len(sampled) == len(greedy)

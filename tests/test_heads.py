@@ -107,7 +107,7 @@ def test_semi_attn_is_an_alpha_weighted_mean():
     state = net.advance(state, e[1], 1)
     state = net.advance(state, e[2], 2)
     a = net.alpha
-    h_q = sum(a[l] * net.mlp(e[l]) for l in range(3)) / a.sum()
+    h_q = sum(a[i] * net.mlp(e[i]) for i in range(3)) / a.sum()
     torch.testing.assert_close(net.head(state, x, 3), net.f(x, h_q))
     assert net.mlp[0].out_features == 4 and net.mlp[2].out_features == 4  # width H/2
 

@@ -119,3 +119,12 @@ def test_fast_dtype_reads_the_cpu(flags, expected, monkeypatch):
     assert load.resolve_dtype_or_auto("float32", "cpu") == torch.float32
     precision = TrainConfig(precision="auto").mixed_precision
     assert precision == ("bf16" if expected == torch.bfloat16 else "no")
+
+
+def test_cuda_and_cuda0_are_one_device_for_training():
+    """accelerate names its device ``cuda``, a model's parameters say ``cuda:0``: the first real GPU run
+    stopped on this comparison before a single step."""
+    from drafters.train import same_device
+
+    assert same_device("cuda", "cuda:0") and same_device(torch.device("cuda", 0), "cuda") and same_device("cpu", "cpu")
+    assert not same_device("cuda:1", "cuda") and not same_device("cpu", "cuda:0")
