@@ -29,10 +29,9 @@ READING = (
     "(AR = 1). α_k has two definitions, both plotted: *conditional* divides the drafts accepted at depth k by "
     "the steps that tested depth k, having accepted the k-1 before it (EAGLE, Spec-Bench); *unconditional* "
     "divides by all steps (vLLM), so it can only fall with depth. "
-    "The trained drafters here were trained on a 2-core CPU, far below the papers' scale (each method's note "
-    "says what its checkpoint saw), so their τ is too; each reuses the target's frozen "
-    "LM head behind a learned projection "
-    "(an allowed deviation, stated on its card)."
+    "The trained drafters here saw far less training than the papers' (each method's note says what its "
+    "checkpoint saw, and on which machine), so their τ is lower too; each reuses the target's frozen "
+    "LM head behind a learned projection (an allowed deviation, stated on its card)."
 )
 
 
