@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+from collections import Counter
 
 from playwright.sync_api import sync_playwright
 
@@ -88,6 +90,49 @@ def set_slider(page, elem_id: str, value: int) -> None:
     number.press("Enter")
 
 
+def go_to_most_accepted_step(page, method: str, timeout: float) -> str:
+    """Walk the step-through view with the arrow keys to the step whose accepted drafts (counted from the
+    method's column, whose spans carry their step) are the most."""
+    titles = page.locator(f"#col-{method} .sv-acc").evaluate_all("spans => spans.map(s => s.title)")
+    counts = Counter(int(re.match(r"step (\d+)", t)[1]) for t in titles)
+    goal = max(counts, key=lambda step: (counts[step], -step)) if counts else 1
+    shown = "(() => { const m = document.querySelector('#step-info').innerText.match(/· step (\\d+)/);" \
+            " return m ? +m[1] : -1; })()"
+    for _ in range(500):
+        if (step := page.evaluate(shown)) == goal:
+            break
+        page.keyboard.press("ArrowRight" if step < goal else "ArrowLeft")
+        page.wait_for_function(f"{shown} !== {step}", timeout=timeout)
+    return page.locator("#step-info").inner_text().split("\n")[0]
+
+
+def take_shots(page, folder: str, methods: list[str], method: str, timeout: float) -> dict:
+    """race.png: the prompt to the plots; step.png: the step-through view at its most accepted step."""
+    from pathlib import Path
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+
+    def region(top: str, bottom: str, path: str) -> None:
+        a, b = page.locator(top).first.bounding_box(), page.locator(bottom).first.bounding_box()
+        y = a["y"] + page.evaluate("window.scrollY")
+        height = b["y"] + b["height"] - a["y"]
+        page.screenshot(path=path, full_page=True, clip={"x": 0, "y": y - 8, "width": page.viewport_size["width"],
+                                                          "height": height + 16})
+
+    region("#run", "#plot-latency", f"{folder}/race.png")
+    shown = ""
+    if method:
+        page.locator("#tree-method input").click()
+        page.get_by_role("option", name=method, exact=True).click()
+        page.wait_for_function(f"document.querySelector('#step-info')?.innerText.includes('{method} · step')",
+                               timeout=timeout)
+        page.locator("h1").first.click()
+        shown = go_to_most_accepted_step(page, method, timeout)
+        page.wait_for_timeout(1500)  # the tree figure redraws after the text
+        region("#tree-method", "#step-info", f"{folder}/step.png")
+    return {"race": f"{folder}/race.png", "step": shown}
+
+
 def check_controls(page, method: str, methods: list[str], timeout: float) -> dict:
     """The presets move a slider; the typical rule shows as lossy; Stop ends a long run with a note."""
     size = f"#set-{method}-total_tokens input[type=number]"  # the paper's 60 is never a tuned size
@@ -130,6 +175,9 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="also report chromium's CPU seconds from Run to done")
     p.add_argument("--layout-widths", default="", help="window widths at which to check the columns' layout")
     p.add_argument("--step-through", default="", help="methods to walk in the step-through view (arrow keys)")
+    p.add_argument("--preset", choices=("paper", "fastest"), default=None, help="click this preset before Run")
+    p.add_argument("--shots", default=None, help="folder for the README's pictures: race.png (the columns and "
+                   "plots) and step.png (the first --step-through method at a step that accepted the most drafts)")
     p.add_argument("--controls", default="", help="a method with a paper preset: also check the presets, the "
                                                   "rule selector and Stop")
     args = p.parse_args()
@@ -143,6 +191,9 @@ def main() -> None:
         page.get_by_label("Prompt").fill(args.prompt)
         pick_methods(page, methods)
         set_slider(page, "max-new", args.max_new_tokens)
+        if args.preset:
+            page.locator(f"#preset-{args.preset}").click()
+            page.wait_for_timeout(1000)
         columns = ", ".join(f"#col-{m} .sv-tokens span" for m in methods)
         done = " && ".join(f"document.querySelector('#col-{m} .sv-head[data-done=\"1\"]')" for m in methods)
         page.evaluate(CLOCK, [columns, done])
@@ -187,6 +238,8 @@ def main() -> None:
                                    f" || document.querySelector('#step-info').innerText !== {json.dumps(first)}",
                                    timeout=timeout)
             seen["steps"][m] = [first, page.locator("#step-info").inner_text()]
+        if args.shots:
+            seen["shots"] = take_shots(page, args.shots, methods, args.step_through.split(",")[0], timeout)
         if args.controls:
             seen["controls"] = check_controls(page, args.controls, methods, timeout)
         seen["layout"] = {}

@@ -154,6 +154,25 @@ def test_newlines_and_empty_tokens_stay_visible():
     assert "↵\n</span>" in body and ">∅</span>" in body
 
 
+def test_whitespace_tokens_are_visible_labels_in_the_tree_and_the_node_table():
+    decode = lambda ids: {5: "\n", 6: " ", 7: ""}.get(ids[0], "?")  # noqa: E731
+    nodes = render.tree_figure(fake_record(), decode, "x").data[-1]
+    assert list(nodes.text) == ["root", "↵", "␣", "∅"]
+    assert "<code>↵</code>" in render.step_detail(fake_record(), decode, [1], "x")
+    assert render.visible(" the") == " the" and render.visible("a\nb") == "a↵b"
+
+
+def test_tree_figure_grows_a_readable_row_per_leaf():
+    from specviz.core.engine import StepRecord
+
+    def height(leaves: int) -> int:
+        tree = DraftTree.from_beams(torch.arange(leaves).view(leaves, 1))  # a root with `leaves` children
+        record = StepRecord(1, tree, [], [0], 0, torch.zeros(len(tree)), 0.5)
+        return render.tree_figure(record, lambda ids: str(ids[0]), "x").layout.height
+
+    assert height(3) == 380 and height(60) >= 16 * 60 and height(60) > height(30) > height(3)
+
+
 def test_plots_one_line_per_method_and_a_box_of_tokens_per_step():
     from specviz.core.engine import StepRecord
 

@@ -30,9 +30,11 @@ CSS = """
 .sv-acc { background: #d7f0dd; border-bottom: 2px solid #2e9e4f; }
 .sv-bonus { background: #fbe7c2; border-bottom: 2px solid #d98c00; }
 .sv-rej { color: #c0392b; text-decoration: line-through; opacity: 0.7; }
-.sv-nodes { font-size: 0.85em; border-collapse: collapse; } .sv-nodes td, .sv-nodes th { padding: 1px 8px; }
+.sv-nodes { font-size: 0.85em; border-collapse: collapse; }
+.sv-nodes td, .sv-nodes th { padding: 1px 6px; white-space: nowrap; }
 .sv-nodes tr.sv-accepted { background: #d7f0dd; } .sv-nodes tr.sv-rejected { background: #f8dcd8; }
 .sv-nodes tr.sv-not { color: #999; }
+#step-info { overflow-x: auto; }
 """
 LAYOUT = dict(uirevision="specviz", height=300, margin=dict(l=50, r=20, t=40, b=40))
 pio.templates.default = "plotly_white"  # as the default, not per figure: a figure's own template costs 20 ms of checks
@@ -45,6 +47,13 @@ def escape(text: str) -> str:
 def _span(kind: str, text: str, title: str) -> str:
     shown = html.escape(text).replace("\n", "↵\n") or "∅"  # newlines and empty tokens stay visible
     return f'<span class="sv-{kind}" title="{html.escape(title, quote=True)}">{shown}</span>'
+
+
+def visible(token: str) -> str:
+    """A token as a label: newlines, tabs, a bare space and the empty token stay visible."""
+    if not token.strip():
+        return token.replace("\n", "↵").replace("\t", "⇥").replace(" ", "␣") or "∅"
+    return token.replace("\n", "↵")
 
 
 def _p(value) -> str:
@@ -92,7 +101,7 @@ def step_detail(record: StepRecord, decode, before: list[int], label: str = "", 
     tree, path, info = record.tree, record.path, record.tree.info
     on_path, depths = {0, *path}, tree.depths.tolist()
     draft_p = [math.exp(x) for x in tree.logprobs.tolist()] if tree.logprobs is not None else [None] * len(tree)
-    tok = [decode([int(t)]) for t in tree.tokens]
+    tok = [visible(decode([int(t)])) for t in tree.tokens]
     parents = tree.parents.tolist()
     outcome = []
     for i, parent in enumerate(parents, start=1):
@@ -260,9 +269,11 @@ def tree_figure(record: StepRecord | None, decode, label: str = "") -> go.Figure
     fig.update_yaxes(visible=False)
     extra = (f" · {info['beams'].shape[0]} beams × {info['beams'].shape[1]} → {len(tree)} nodes "
              f"(compression {info['compression']:.2f})") if beams else ""
+    rows = max(sum(1 for k in tree.children() if not k), info["beams"].shape[0] if beams else 0)
     fig.update_layout(title=f"{label} step {record.step}: {len(tree)} nodes, {record.accepted} accepted{extra}",
-                      **{**LAYOUT, "height": 380})
-    fig.update_xaxes(title_text="depth")
+                      **{**LAYOUT, "height": min(max(380, 100 + 16 * rows), 1400)})  # one readable row per leaf
+    deepest = max(tree.max_depth, info["beams"].shape[1] if beams else 0)
+    fig.update_xaxes(title_text="depth", range=[-0.3, deepest + 0.8])  # room for the deepest labels
     return fig
 
 
@@ -291,7 +302,7 @@ def _tree_traces(tree, accepted: set[int], decode) -> list[go.Scatter]:
         traces.append(go.Scatter(x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False,
                                  line=dict(color=COLOURS["accepted"] if on_path else "#cccccc",
                                            width=3 if on_path else 1)))
-    text = ["root"] + [decode([int(t)]) for t in tree.tokens]
+    text = ["root"] + [visible(decode([int(t)])) for t in tree.tokens]
     colour = [COLOURS["accepted"] if i in accepted else "#bbbbbb" for i in range(len(tree) + 1)]
     traces.append(go.Scatter(x=depth, y=y, mode="markers+text", text=text, textposition="middle right",
                              marker=dict(color=colour, size=10), showlegend=False,
@@ -307,7 +318,7 @@ def _beam_traces(beams, beam_nodes, accepted: set[int], decode) -> list[go.Scatt
         for d in range(length):
             xs.append(d + 1)
             ys.append(w)
-            text.append(decode([int(beams[w, d])]))
+            text.append(visible(decode([int(beams[w, d])])))
             colour.append(COLOURS["accepted"] if int(beam_nodes[w, d]) in accepted else "#bbbbbb")
     rows = dict(x=[v for w in range(width) for v in (1, length, None)],
                 y=[v for w in range(width) for v in (w, w, None)])

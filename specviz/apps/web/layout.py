@@ -96,8 +96,9 @@ def build_demo(state: AppState) -> gr.Blocks:
                 tree_step = gr.Slider(1, 2, value=1, step=1, label="Step", scale=3, elem_id="tree-step")
                 next_btn = gr.Button("next ▶", size="sm", scale=0, elem_id="step-next")
             with gr.Row(equal_height=False):
-                tree_plot = gr.Plot(label="draft tree", elem_id="plot-tree", scale=3)
-                step_info = gr.HTML(elem_id="step-info", elem_classes="sv-column")
+                tree_plot = gr.Plot(label="draft tree", elem_id="plot-tree", scale=1)
+                with gr.Column(scale=1):  # wide enough for the node table
+                    step_info = gr.HTML(elem_id="step-info", elem_classes="sv-column")
             run_btn.click(GPU(handlers.race), [prompt, methods, max_new, temperature, top_p, show_rejected, rule,
                                                *setting_inputs],
                           [*columns, alpha_plot, length_plot, latency_plot, message, runs], api_name="race",
