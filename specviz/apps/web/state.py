@@ -7,6 +7,7 @@ team: 12 vs 25 tokens/s on the embedded model), so the engine is a single-thread
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,9 +21,13 @@ from specviz.core.load import load_target
 from specviz.core.protocol import Drafter
 from specviz.core.target import TargetModel
 
-from ..tuning import Tuned, tune
+from ..tuning import Tuned, machine_costs, tune
 
 MAX_BUILT = 32  # drafters kept at non-default settings
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -59,12 +64,20 @@ class AppState:
         return METHODS[name][1].limits(self.target)
 
     def tune_budgets(self) -> None:
-        """Each method's budget for this machine (cached on disk after the first start)."""
+        """Each method's budget for this machine (cached on disk after the first start, which says so)."""
+        start = time.perf_counter()
+        machine_costs(self.target)
+        if (took := time.perf_counter() - start) > 1:
+            log(f"specviz: first start on this machine: measured the verify cost in {took:.0f} s; now each "
+                "method's draft budget (about 10 s each, cached after this)")
         for name in METHODS:
             try:
-                self.tuned[name] = tune(self.target, name, self.configured.get(name, {}))
+                tuned = self.tuned[name] = tune(self.target, name, self.configured.get(name, {}))
             except Exception:  # noqa: BLE001 - load_drafters records why it cannot run
-                pass
+                continue
+            if tuned.seconds:
+                log(f"specviz: {name}: {tuned.settings or 'no budget'}, expected {tuned.expected_speedup:.2f}x AR "
+                    f"(tuned in {tuned.seconds:.1f} s)")
 
     def load_drafters(self) -> None:
         """Every method at its defaults; a method that cannot be built is listed with its reason."""
