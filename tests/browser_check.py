@@ -106,7 +106,7 @@ def go_to_most_accepted_step(page, method: str, timeout: float) -> str:
     return page.locator("#step-info").inner_text().split("\n")[0]
 
 
-def take_shots(page, folder: str, methods: list[str], method: str, timeout: float) -> dict:
+def take_shots(page, folder: str, method: str, timeout: float) -> dict:
     """race.png: the prompt to the plots; step.png: the step-through view at its most accepted step."""
     from pathlib import Path
 
@@ -239,7 +239,7 @@ def main() -> None:
                                    timeout=timeout)
             seen["steps"][m] = [first, page.locator("#step-info").inner_text()]
         if args.shots:
-            seen["shots"] = take_shots(page, args.shots, methods, args.step_through.split(",")[0], timeout)
+            seen["shots"] = take_shots(page, args.shots, args.step_through.split(",")[0], timeout)
         if args.controls:
             seen["controls"] = check_controls(page, args.controls, methods, timeout)
         seen["layout"] = {}
