@@ -274,6 +274,9 @@ def test_cards_name_results_files_without_machine_paths(tmp_path):
         assert record_benchmark(results, str(source)) == [folder]
         entry = read_card(folder)["mtbench"][label]
         assert entry["results_file"] == named and entry["tau"] == 1.5
+    record_benchmark({**results, "questions": "humaneval", "methods": {label: {"tau": 2.5, "prompts": 2}}}, "h.json")
+    card = read_card(folder)  # another question set gets its own entry and leaves MT-bench's alone
+    assert card["humaneval"][label]["tau"] == 2.5 and card["mtbench"][label]["tau"] == 1.5
 
 
 def test_profile_uses_its_own_cache_and_times_each_size(tiny_target):

@@ -239,9 +239,17 @@ def load_results(path: Path) -> dict:
         raise SettingsError(f"{path} is not a bench results file ({e})") from None
 
 
+def card_key(questions: str | None) -> str:
+    name = (questions or "mt-bench").lower()
+    if name in ("mt-bench", "humaneval"):
+        return name.replace("-", "")
+    return "bench:" + Path(name).name
+
+
 def record_benchmark(results: dict, source: str) -> list[Path]:
-    """Write each shipped trained method's bench figures into its card (under 'mtbench')."""
-    touched = []
+    """Write each shipped trained method's bench figures into its card, under 'mtbench', 'humaneval' or
+    'bench:<file>' after the question set, so one set's results never overwrite another's."""
+    touched, key = [], card_key(results.get("questions"))
     for label, m in results["methods"].items():
         name, settings = parse_method(label)
         folder = Path(settings.get("checkpoint") or default_path(name))
@@ -253,8 +261,8 @@ def record_benchmark(results: dict, source: str) -> list[Path]:
         entry.update(questions=results.get("questions"), max_new_tokens=results["max_new_tokens"],
                      dtype=results["dtype"], machine=results["machine"], date=results["date"],
                      results_file=shareable_path(source))
-        bench = card.get("mtbench") or {}
+        bench = card.get(key) or {}
         bench[label] = entry
-        update_card(folder, mtbench=bench)
+        update_card(folder, **{key: bench})
         touched.append(folder)
     return touched
