@@ -289,9 +289,10 @@ def test_profile_uses_its_own_cache_and_times_each_size(tiny_target):
     with pytest.raises(SettingsError, match="context must be in"):
         profile(target, context=0)
     calls, verify = [], target.verify  # the sizes take turns, in a rotated order, round after round
-    target.verify = lambda root, tree, cache: calls.append(len(tree) + 1) or verify(root, tree, cache)
+    target.padding = {"chain": {1: 4, 2: 4}}  # the profile times each size as it is, never padded
+    target.verify = lambda root, tree, cache, pad: calls.append((len(tree) + 1, pad)) or verify(root, tree, cache, pad)
     profile(target, context=8, sizes=(1, 2, 4), repeats=2)
-    assert calls == [1, 2, 4, 2, 4, 1, 4, 1, 2]
+    assert calls == [(n, False) for n in (1, 2, 4, 2, 4, 1, 4, 1, 2)]
 
 
 def test_run_log_keeps_finished_prompts_and_drops_a_torn_one(tmp_path):

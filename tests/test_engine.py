@@ -235,6 +235,18 @@ def test_random_tree_drafter_greedy(target, ar_outputs):
     assert accepted > sum(NEW_TOKENS) // 4  # paths deep in the trees were accepted
 
 
+def test_padded_verifies_stay_lossless(target, ar_outputs):
+    """Every verify padded with filler nodes (as a machine whose kernels prefer larger sizes would)."""
+    target.padding = {"chain": {n: n + 3 for n in range(1, 40)}, "tree": {n: n + 3 for n in range(2, 40)}}
+    try:
+        check_greedy_equivalence(target, build_drafter("pld", target, num_tokens=3), ar_outputs)
+        for i in range(len(PROMPTS)):
+            drafter = RandomTreeDrafter(PROMPTS[i], ar_outputs[i], seed=100 + i)
+            assert run(target, drafter, PROMPTS[i], NEW_TOKENS[i], stop_on_eos=False).output_ids == ar_outputs[i]
+    finally:
+        target.padding = {}
+
+
 # -- step records, EOS ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", ["ar", "pld", "sps", "eagle2"])

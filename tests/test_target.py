@@ -201,3 +201,40 @@ def test_a_bf16_target_runs_its_norm_and_head_in_fp32(tiny_llama):
     normed = plain.model.norm.weight.float() * h * torch.rsqrt(h.pow(2).mean() + model.config.rms_norm_eps)
     torch.testing.assert_close(feats[-1], normed, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits, normed @ plain.lm_head.weight.float().T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tree", [DraftTree.chain([4, 8, 15]), fixed_tree(5)], ids=["chain", "tree"])
+def test_padded_verify_returns_what_the_plain_one_does_and_commits_the_same_cache(tree, tiny_target):
+    """Filler nodes follow every real node, so no real node sees them; their rows and cache entries go."""
+    prompt, root, n = [3, 1, 4, 1, 5, 9, 2], 6, len(tree) + 1
+    outs = {}
+    for name, padding in [("plain", {}), ("padded", {"chain": {n: n + 5}, "tree": {n: n + 5}})]:
+        target = tiny_target(vocab_size=32, seed=2)
+        target.padding = padding
+        cache = target.new_cache()
+        target.prefill(prompt, cache)
+        logits, feats = target.verify(root, tree, cache)
+        assert cache.get_seq_length() == len(prompt) + n + (5 if padding else 0)
+        keep = [0] + tree.paths()[-1]
+        target.commit(cache, len(prompt), keep)
+        nxt, _ = target.verify(7, DraftTree.chain([1, 2]), cache)
+        outs[name] = logits, feats, nxt, cache_kv(cache)
+    (logits, feats, nxt, kv), (p_logits, p_feats, p_nxt, p_kv) = outs["plain"], outs["padded"]
+    assert p_logits.shape == logits.shape and p_feats.shape == feats.shape
+    torch.testing.assert_close(p_logits, logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p_feats, feats, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p_nxt, nxt, atol=1e-5, rtol=1e-5)
+    assert_cache_equal(p_kv, kv)
+
+
+def test_padding_never_pushes_a_chain_past_the_context(tiny_target):
+    target = tiny_target(vocab_size=32, seed=0, max_positions=16)
+    target.padding = {"chain": {4: 8}}
+    cache = target.new_cache()
+    target.prefill(list(range(10)), cache)  # positions 10..13 fit, 10..17 would not: verified unpadded
+    logits, _ = target.verify(1, DraftTree.chain([1, 2, 3]), cache)
+    assert logits.shape[0] == 4 and cache.get_seq_length() == 14
+    target.commit(cache, 10, [0])
+    target.prefill(list(range(6)), cache)  # room for the padding now
+    target.verify(1, DraftTree.chain([1, 2, 3]), cache)
+    assert cache.get_seq_length() == 6 + 8

@@ -163,6 +163,7 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
                          "lossless": sampling.lossless},
             "date": time.strftime("%Y-%m-%d"),
             "machine": machine_description(),
+            "verify_padding": {shape: {str(n): m for n, m in pad.items()} for shape, pad in target.padding.items()},
             "interrupted": interrupted,
             "methods": summary,
             "per_prompt": list(per_prompt),

@@ -479,6 +479,9 @@ def cmd_tune(args) -> None:
               f"{target.device}): "
               + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in zip(curve.tokens, curve.ms)))
     print(f"AR's own per-step overhead {costs.ar_other_ms:.1f} ms")
+    for shape, pad in target.padding.items():
+        print(f"{shape}s padded to a size this machine verifies faster: "
+              + (", ".join(f"{n} -> {m}" for n, m in pad.items()) or "none"))
     for name in names:
         try:
             tuned = tune(target, name, refresh=args.refresh)

@@ -41,7 +41,7 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
         order = list(sizes)[i % len(sizes):] + list(sizes)[: i % len(sizes)]
         for n in order:
             start = now(target.device)
-            target.verify(prompt[-1], drafts[n], cache)
+            target.verify(prompt[-1], drafts[n], cache, pad=False)  # the raw cost of each size
             elapsed = now(target.device) - start
             cache.crop(-n)
             if i:  # the first round warms up

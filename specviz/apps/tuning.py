@@ -22,7 +22,7 @@ import torch
 from drafters import METHODS, build_drafter
 from drafters.checkpoint import default_path, weights_file
 from drafters.trained import TrainedDrafter
-from specviz.core.budget import Budget, Option, VerifyCurve, choose, estimate
+from specviz.core.budget import Budget, Option, VerifyCurve, choose, estimate, padded_curve, padding
 from specviz.core.engine import StepRecord, generate, output_ids, run
 from specviz.core.errors import SettingsError
 from specviz.core.load import cache_dir, cpu_flags, cpuinfo
@@ -128,7 +128,7 @@ def _per_step(records: list[StepRecord], *phases: str) -> float:
 
 @dataclass(frozen=True)
 class MachineCosts:
-    """As measured, fitted non-decreasing (``VerifyCurve.fit``)."""
+    """As measured, with this machine's padding applied (``core.budget.padding``), fitted non-decreasing."""
 
     chain: VerifyCurve  # ms to verify n tokens as a chain (plain causal attention)
     tree: VerifyCurve  # ... as a tree (a 4D mask: another attention path, slower on some CPUs)
@@ -136,9 +136,10 @@ class MachineCosts:
 
 
 def machine_costs(target: TargetModel, refresh: bool = False) -> MachineCosts:
-    """The verify-cost curves and AR's per-step overhead, measured once per machine and target."""
+    """The verify-cost curves and AR's per-step overhead, measured once per machine and target. Sets
+    ``target.padding``: the sizes its verifies pad, because a larger size is clearly cheaper here."""
     def measure() -> dict:
-        sizes, context = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), min(256, target.max_length - 80)
+        sizes, context = (*range(1, 17), 24, 32, 48, 64), min(256, target.max_length - 80)
         curves = {shape: profile(target, context, sizes, repeats=5, tree=shape == "tree")["curve"]
                   for shape in ("chain", "tree")}
         ar = _warm_up(target, build_drafter("ar", target), prompts=2)  # AR's overhead per step: a few steps do
@@ -146,7 +147,8 @@ def machine_costs(target: TargetModel, refresh: bool = False) -> MachineCosts:
                 "ar_other_ms": _per_step(ar, "draft", "accept", "other")}
 
     value, _ = _cached(f"costs-{machine_key(target)}", measure, refresh)
-    chain, tree = (VerifyCurve.fit(*zip(*value[shape])) for shape in ("chain", "tree"))
+    target.padding = {shape: padding(*zip(*value[shape])) for shape in ("chain", "tree")}
+    chain, tree = (padded_curve(*zip(*value[shape]), target.padding[shape]) for shape in ("chain", "tree"))
     return MachineCosts(chain, tree, value["ar_other_ms"])
 
 

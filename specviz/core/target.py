@@ -64,6 +64,9 @@ class TargetModel:
         self.config = model.config
         self._features: torch.Tensor | None = None
         self.taps: tuple[int, ...] = ()  # decoder layers whose inputs follow the features
+        # Verify n inputs as m > n where this machine's kernels do m rows faster ({"chain": {n: m}, "tree": ...}):
+        # set from the measured verify-cost curves (``apps.tuning.machine_costs``, ``core.budget.padding``).
+        self.padding: dict[str, dict[int, int]] = {}
         self.body_dtype = next(model.parameters()).dtype
         if self.body_dtype != torch.float32:
             fp32_head(model)
@@ -175,14 +178,22 @@ class TargetModel:
         logits, feats = self._forward(ids, torch.arange(ids.numel())[None], None, cache, keep=1)
         return logits[-1], feats
 
-    def verify(self, root: int, tree: DraftTree, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over root + tree after ``cache``. Returns logits [N+1, V] and features [N+1, H]."""
-        past = cache.get_seq_length()
+    def verify(self, root: int, tree: DraftTree, cache: DynamicCache,
+               pad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over root + tree after ``cache``. Returns logits [N+1, V] and features [N+1, H].
+
+        With ``pad``, a size in ``self.padding`` is verified with filler nodes that no real node sees
+        (they follow it); their outputs are dropped here and their cache entries by ``commit``."""
+        past, n = cache.get_seq_length(), len(tree) + 1
         if past + tree.max_depth + 1 > self.max_length:
             raise TargetError(
                 f"verifying {tree.max_depth + 1} positions after {past} exceeds the context of {self.max_length}")
+        size = self.padding.get("chain" if tree.is_chain else "tree", {}).get(n, n) if pad else n
+        if size > n and past + tree.max_depth + 1 + (size - n) * tree.is_chain <= self.max_length:
+            tree = tree.padded(size - n)
         mask = None if tree.is_chain else tree.attention_mask(past, self.dtype)  # a chain is plain causal
-        return self._forward(tree.input_ids(root), tree.positions(past), mask, cache)
+        logits, feats = self._forward(tree.input_ids(root), tree.positions(past), mask, cache)
+        return logits[:n], feats[:n]
 
     def commit(self, cache: DynamicCache, past: int, keep: list[int]) -> None:
         """Keep only the cache entries of verify-input indices ``keep`` (root first) after ``past``."""

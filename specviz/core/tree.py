@@ -88,6 +88,14 @@ class DraftTree:
         tree.info.update(beams=beams.clone(), beam_nodes=node_of, compression=width * length / max(len(tree), 1))
         return tree
 
+    def padded(self, extra: int) -> "DraftTree":
+        """This tree plus ``extra`` filler nodes after every real one, so none of them is an ancestor of a
+        real node: a chain continues as a chain, a tree gets children of the root."""
+        filler = torch.zeros(extra, dtype=torch.long)
+        n = len(self)
+        parents = torch.arange(n, n + extra) if self.is_chain else filler
+        return DraftTree(torch.cat([self.tokens, filler]), torch.cat([self.parents, parents]))
+
     def __len__(self) -> int:
         return self.tokens.numel()
 
