@@ -311,3 +311,32 @@ def test_run_log_keeps_finished_prompts_and_drops_a_torn_one(tmp_path):
     assert [r.output for r in runs["ar"]] == [[1, 2], [3]] and path.stat().st_size == size
     with pytest.raises(SettingsError, match="other max new tokens"):
         RunLog(path, {"methods": ["ar"], "max new tokens": 16}).resume()
+
+
+def test_the_run_log_keeps_what_the_figures_read_and_drops_the_rest(tmp_path, tiny_target):
+    import torch
+
+    from drafters import build_drafter
+    from specviz.apps.bench import PromptRun
+    from specviz.apps.runlog import RunLog
+    from specviz.core.engine import run
+    from specviz.core.metrics import compare
+
+    target = tiny_target(vocab_size=32, seed=0)
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [5, 6, 5, 6, 5]]
+    runs = {name: [PromptRun(r.output_ids, 0.1, r.records) for r in
+                   (run(target, build_drafter(name, target), p, 12, stop_on_eos=False) for p in prompts)]
+            for name in ("ar", "lookahead")}
+    for r in runs["lookahead"][0].records[1:]:  # the extras a tree can carry: logprobs, distributions, beams
+        n = len(r.tree)
+        r.tree.logprobs, r.tree.child_dists = torch.zeros(n), torch.full((n + 1, 32), 1 / 32)
+        r.tree.info.update(beams=torch.zeros(4, 3, dtype=torch.long), compression=1.5)
+    log = RunLog(tmp_path / "r.runs", {"methods": ["ar", "lookahead"]})
+    log.start()
+    for i in range(len(prompts)):
+        log.append({name: runs[name][i] for name in runs})
+    back = RunLog(tmp_path / "r.runs", {"methods": ["ar", "lookahead"]}).resume()
+    steps = [r for prompt in back["lookahead"] for r in prompt.records[1:]]
+    assert all(r.tree.logprobs is None and r.tree.child_dists is None and r.node_target_p.numel() == 0 for r in steps)
+    assert any(r.tree.info == {"compression": 1.5} for r in steps) and any(len(r.tree) > 1 for r in steps)
+    assert compare(back["lookahead"], back["ar"], ["a", "b"]) == compare(runs["lookahead"], runs["ar"], ["a", "b"])
