@@ -349,9 +349,12 @@ def validation_set(target, recipe: DataRecipe, cache: Path | None = None) -> tup
     return val_set, meta
 
 
-def prepare(target, recipe: DataRecipe, cache: Path | None = None,
-            shipped: Path | None = SHIPPED_SEQUENCES) -> tuple[FeatureSet, FeatureSet, dict]:
-    """The train and validation FeatureSets for ``target`` and their data card, reusing ``cache``."""
+def prepare(target, recipe: DataRecipe, cache: Path | None = None, shipped: Path | None = SHIPPED_SEQUENCES,
+            features: bool = True) -> tuple[FeatureSet, FeatureSet, dict]:
+    """The train and validation FeatureSets for ``target`` and their data card, reusing ``cache``.
+
+    Without ``features`` (methods that run the target's body in training anyway, EAGLE-3) and none cached,
+    the sets hold the tokens alone, with no feature columns: training computes them on the fly."""
     meta, key = recipe.card(target), recipe.features_key(target)
     paths = None
     if cache is not None:
@@ -361,16 +364,22 @@ def prepare(target, recipe: DataRecipe, cache: Path | None = None,
     splits = prepare_sequences(target, recipe, cache, shipped)
     work = {part: None if cache is None else cache / f"features-{key}-{part}" for part in ("train", "val")}
     dtype = recipe.feature_dtype if recipe.feature_dtype not in (None, target.dtype) else None
-    sets = [extract_features(target, splits[part], desc=f"features {part}", work=work[part], dtype=dtype)
-            for part in ("train", "val")]
     if dtype is not None:
         meta["feature_dtype"] = str(dtype).replace("torch.", "")
+    if not features:
+        sets = [FeatureSet.build(splits[part], [torch.zeros(s.numel(), 0) for s, _ in splits[part]])
+                for part in ("train", "val")]
+        meta["features_on_the_fly"] = True
+        paths = None  # nothing worth caching
+    else:
+        sets = [extract_features(target, splits[part], desc=f"features {part}", work=work[part], dtype=dtype)
+                for part in ("train", "val")]
     meta.update(train_samples=len(sets[0]), train_tokens=sets[0].num_tokens,
                 answer_tokens=int(sum(sets[0].sequence(i)[0].numel() - sets[0].sequence(i)[2]
                                       for i in range(len(sets[0])))),
                 val_samples=len(sets[1]))
     if paths is not None:
-        for path, features, folder in zip(paths, sets, work.values()):
-            features.save(path, meta)
+        for path, feature_set, folder in zip(paths, sets, work.values()):
+            feature_set.save(path, meta)
             shutil.rmtree(folder, ignore_errors=True)  # the shards are in the saved file now
     return sets[0], sets[1], meta

@@ -106,10 +106,14 @@ class LayerTaps:
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """``feats`` with the taps appended; a set of tokens alone (``prepare(features=False)``, no columns)
+        gets the final-norm output from the same forward, rounded to float16 as stored features are."""
         if not self.layers:
             return feats
-        hidden = self.decoder(input_ids=tokens, use_cache=False, output_hidden_states=True).hidden_states
-        return torch.cat([feats] + [hidden[i].to(feats.dtype) for i in self.layers], dim=-1)
+        out = self.decoder(input_ids=tokens, use_cache=False, output_hidden_states=True)
+        if feats.shape[-1] == 0:
+            feats = out.last_hidden_state.half().to(feats.dtype)
+        return torch.cat([feats] + [out.hidden_states[i].to(feats.dtype) for i in self.layers], dim=-1)
 
 
 def evaluate(method: type[TrainedDrafter], net, frozen, data: FeatureSet, cfg: TrainConfig,

@@ -165,6 +165,18 @@ def test_train_then_generate_with_the_checkpoint(tiny_folder, tmp_path, monkeypa
     assert "not 'hass'" in capsys.readouterr().err
 
 
+def test_eagle3_alone_trains_without_a_feature_cache(tiny_folder, tmp_path, monkeypatch, capsys):
+    """EAGLE-3 runs the target's body in training anyway: trained alone, it extracts and caches no features."""
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))
+    code = main(["train", "--drafter", "eagle3", "--target", tiny_folder, "--samples", "4", "--epochs", "1",
+                 "--answer-tokens", "8", "--draft-vocab", "512", "--device", "cpu", "--out", str(tmp_path / "e3")])
+    assert code == 0, capsys.readouterr().err
+    card = json.loads((tmp_path / "e3" / "card.json").read_text())
+    assert card["data"]["features_on_the_fly"] and card["training"]["steps"] >= 1
+    assert set(card["history"][-1]["val"]) >= {"acc1", "acc2"}
+    assert not list((tmp_path / "cache" / "train").glob("train-*.safetensors"))
+
+
 def test_train_several_at_one_budget_and_resume_skips_the_finished(tiny_folder, tmp_path, monkeypatch, capsys):
     """`--drafter a,b --resume` starts runs with no saved state; run again, it reuses the finished ones."""
     monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))

@@ -91,6 +91,26 @@ def test_training_taps_equal_the_decoding_taps(target):
         torch.testing.assert_close(trained[row, :len(s), h:], decoded[row], atol=1e-4, rtol=1e-4)
 
 
+def test_training_on_tokens_alone_ends_where_stored_features_take_it(target):
+    """``prepare(features=False)``: the taps' forward supplies the final-norm features too (rounded to
+    float16 as stored ones are), so EAGLE-3 trains to the same weights without a feature cache."""
+    from drafters import METHODS
+    from drafters.corpus import FeatureSet, extract_features, self_distill
+    from drafters.train import TrainConfig, train
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(16)]
+    seqs = [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, self_distill(target, prompts, 12, 8))]
+    stored = extract_features(target, seqs)
+    alone = FeatureSet.build(seqs, [torch.zeros(s.numel(), 0) for s, _ in seqs])
+    cfg = TrainConfig(epochs=1, batch_tokens=128, lr=3e-3, draft_vocab=VOCAB, seed=0)
+    first, second = (train(METHODS["eagle3"][0], target, data, data, cfg, {"source": "test"})["history"][-1]
+                     for data in (stored, alone))
+    assert second["val"] == pytest.approx(first["val"], abs=1e-6)  # the same agreement at every depth
+    assert second["train"] == pytest.approx(first["train"], rel=1e-3) and first["train"]
+
+
 def test_fused_net_reads_embedding_and_hidden_side_by_side(target):
     torch.manual_seed(0)
     net = Eagle3Drafter.new_network(target).eval()

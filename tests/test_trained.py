@@ -705,6 +705,13 @@ def test_prepare_reuses_saved_sequences(target, tmp_path, monkeypatch):
     assert torch.equal(again.tokens, first.tokens) and torch.equal(again.answer_starts, first.answer_starts)
     assert torch.equal(again.features, first.features) and torch.equal(again_val.tokens, first_val.tokens)
     assert meta_again["answer_tokens"] == meta["answer_tokens"]
+    for features in cache.glob("*-*.safetensors"):
+        features.unlink()
+    alone, alone_val, meta_alone = corpus.prepare(target, RECIPE, cache=cache, shipped=shipped, features=False)
+    assert torch.equal(alone.tokens, first.tokens) and torch.equal(alone.offsets, first.offsets)
+    assert alone.features.shape == (first.num_tokens, 0) and alone_val.features.shape[1] == 0
+    assert meta_alone["features_on_the_fly"] and meta_alone["answer_tokens"] == meta["answer_tokens"]
+    assert not list(cache.glob("train-*")) and not list(cache.glob("features-*"))  # nothing extracted or cached
     (shipped / sequences.name).write_bytes(b"not safetensors")
     for features in cache.glob("*-*.safetensors"):
         features.unlink()

@@ -387,7 +387,8 @@ def cmd_train(args) -> None:
                       validate_every=args.validate_every)
     accelerator = make_accelerator(cfg)  # one process per device under `accelerate launch`
     target = load_target(args.target, "float32", str(accelerator.device))
-    train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train")
+    taps_all = all(METHODS[name][0].tapped_layers(target.num_layers) for name in names)  # each runs the body itself
+    train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train", features=not taps_all)
     for name in names:
         config = {k: v for k, v in vars(cfg).items() if k not in OUTSIDE_RUN_KEY}
         run = json.dumps([name, recipe.features_key(target), config], sort_keys=True, default=str)
