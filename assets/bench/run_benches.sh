@@ -2,7 +2,9 @@
 # The README's judged benches, each resumable: a step whose output says it is complete is skipped, a
 # killed one goes on with --resume from its .runs log (kept beside the output, in the work tree).
 #   bash assets/bench/run_benches.sh STEP [STEP ...]
-# Steps: trees-mtbench trees-humaneval (tau at the shared trees, fp32) tuned-fp32 tuned-auto (speed).
+# Steps: trees-mtbench trees-humaneval (tau at the shared trees, fp32) tuned-fp32 tuned-auto (speed);
+# eagle3-train (2 epochs on the shared sequences and budget, resumable, shipped when done), then
+# eagle3-mtbench eagle3-humaneval (eagle3 beside hass at the same trees).
 # CORE=N pins the step to one core with one torch thread, so two tau-only steps can share a 2-core
 # machine; their tokens/s are then not speed figures (the tuned steps run alone, on every core).
 set -euo pipefail
@@ -13,6 +15,8 @@ medusa:heads=4:top_k=1:total_tokens=4,redrafter:preset=paper,redrafter:width=15:
 semi-attn:preset=paper,semi-lstm:preset=paper,eagle2:preset=paper,eagle2:$TREE16,\
 hass:preset=paper,hass:$TREE16,fspad:preset=paper,fspad:$TREE16"
 TUNED="ar,hf,pld,lookahead,skip,eagle2,hass,fspad,medusa,redrafter,semi-attn,semi-lstm"
+[ -f assets/drafters/eagle3/card.json ] && TUNED="$TUNED,eagle3"
+EAGLE3="ar,hass:preset=paper,hass:$TREE16,eagle3:preset=paper,eagle3:$TREE16"
 
 run() {  # OUT, then bench arguments
   local out=$1; shift
@@ -20,11 +24,12 @@ run() {  # OUT, then bench arguments
 load_results; sys.exit(load_results(Path(sys.argv[1]))['interrupted'])" "$out" 2>/dev/null; then
     echo "done: $out"; return
   fi
-  local resume=() pin=()
+  local resume=()
   [ -f "$out.runs" ] && resume=(--resume)
-  [ -n "${CORE:-}" ] && pin=(env OMP_NUM_THREADS=1 taskset -c "$CORE")
-  "${pin[@]}" python3 -m specviz bench --out "$out" "${resume[@]}" "$@"
+  pinned python3 -m specviz bench --out "$out" "${resume[@]}" "$@"
 }
+
+pinned() { if [ -n "${CORE:-}" ]; then env OMP_NUM_THREADS=1 taskset -c "$CORE" "$@"; else "$@"; fi; }
 
 for step in "$@"; do
   case $step in
@@ -36,6 +41,13 @@ for step in "$@"; do
       --max-new-tokens 256 --methods "$TUNED" ;;
     tuned-auto) run assets/bench/mtbench80_tuned_auto_cpu.json.xz --questions mt-bench --dtype auto \
       --max-new-tokens 256 --methods "$TUNED" ;;
+    eagle3-train) [ -f assets/drafters/eagle3/card.json ] && { echo "done: eagle3 is shipped"; continue; }
+      pinned python3 -m specviz train --drafter eagle3 --samples all --prompts all --epochs 2 \
+        --feature-dtype bfloat16 --distill-dtype bfloat16 --precision bf16 --resume --ship ;;
+    eagle3-mtbench) run assets/bench/mtbench80_eagle3_cpu.json.xz --questions mt-bench --dtype float32 \
+      --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
+    eagle3-humaneval) run assets/bench/humaneval40_eagle3_cpu.json.xz --questions humaneval --limit 40 \
+      --dtype float32 --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
   esac
 done
