@@ -137,6 +137,13 @@ def test_resume_needs_the_log_of_the_same_command(tiny_folder, tmp_path, monkeyp
     monkeypatch.undo()
     assert main([*command, "--max-new-tokens", "7", "--resume"]) == 2
     assert "other max new tokens" in capsys.readouterr().err
+    import specviz.apps.tuning  # the budget pld was tuned to has changed since (a cache lost, say)
+
+    real = specviz.apps.tuning.resolve
+    monkeypatch.setattr(specviz.apps.tuning, "resolve", lambda target, name, settings: (
+        ({"num_tokens": 9}, None) if name == "pld" else real(target, name, settings)))
+    assert main([*command, "--max-new-tokens", "6", "--resume"]) == 2
+    assert "other budgets" in capsys.readouterr().err
 
 
 def test_train_then_generate_with_the_checkpoint(tiny_folder, tmp_path, monkeypatch, capsys):

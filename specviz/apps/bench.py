@@ -61,6 +61,16 @@ def _hf_runner(target: TargetModel, max_new_tokens: int, sampling: Sampling, ext
     return go
 
 
+def budgets(target: TargetModel, methods: list[str]) -> dict[str, dict]:
+    """The settings each engine method will run with (a tuned budget read from the cache when tuned before):
+    a resumed run must run every method as its first prompts did."""
+    from .tuning import resolve
+
+    specs = {m.strip(): parse_method(m) for m in methods}
+    return {label: resolve(target, name, settings)[0] for label, (name, settings) in specs.items()
+            if name not in HF_BASELINES}
+
+
 def _engine_runner(target: TargetModel, name: str, settings: dict, max_new_tokens: int,
                    sampling: Sampling) -> tuple[Callable, int, dict]:
     """The method at its settings (its tuned budget unless given, see ``tuning.resolve``), its extra
