@@ -61,7 +61,7 @@ def _hf_runner(target: TargetModel, max_new_tokens: int, sampling: Sampling, ext
     return go
 
 
-def budgets(target: TargetModel, methods: list[str]) -> dict[str, dict]:
+def resolved_budgets(target: TargetModel, methods: list[str]) -> dict[str, dict]:
     """The settings each engine method will run with (a tuned budget read from the cache when tuned before):
     a resumed run must run every method as its first prompts did."""
     from .tuning import resolve

@@ -200,7 +200,7 @@ def cmd_generate(args) -> None:
 def cmd_bench(args) -> None:
     from specviz.core.load import load_target
 
-    from .bench import bench, budgets, exactness_text, record_benchmark, save_results
+    from .bench import bench, exactness_text, record_benchmark, resolved_budgets, save_results
     from .questions import load_questions
     from .runlog import RunLog
 
@@ -212,7 +212,7 @@ def cmd_bench(args) -> None:
     log = RunLog(out.with_name(out.name + ".runs"), {
         "methods": methods, "questions": [q.id for q in questions], "max new tokens": args.max_new_tokens,
         "sampling": [sampling.temperature, sampling.top_p, sampling.resolved_rule], "target": target.name,
-        "dtype": args.dtype, "device": str(target.device), "budgets": budgets(target, methods)})
+        "dtype": args.dtype, "device": str(target.device), "budgets": resolved_budgets(target, methods)})
     runs = log.resume() if args.resume else {}
     if args.resume:
         print(f"resuming: {len(runs.get('ar', []))} of {len(questions)} prompts already done")
