@@ -161,6 +161,30 @@ def test_a_smaller_budget_drafts_the_best_ranked_nodes_of_a_larger_one(method, b
         assert sorted(got) == expected, settings
 
 
+def test_feeding_the_drafter_is_the_draft_time_less_each_steps_own_proposal():
+    """Warm-ups of 16 tokens at depth 8: late steps draft only as deep as the tokens left allow. Draft time
+    = 3 ms of feeding + 1 + 2 ms per depth of proposal; the estimate recovers the 3 ms."""
+    from specviz.apps.tuning import WARMUP_TOKENS, _observe_ms
+
+    def propose(depth: float) -> float:
+        return 1.0 + 2.0 * (depth - 1)
+
+    records, left = [], []
+    for accepted in ([3, 2, 4, 1, 5, 0], [7, 6]):  # two warm-up prompts: a prefill, then their steps
+        produced = 1
+        records.append(StepRecord(0, DraftTree.empty(), [], [9], 9, torch.zeros(0), 1.0))
+        for a in accepted:
+            cap = min(8, WARMUP_TOKENS - produced - 1)
+            left.append(cap)
+            r = StepRecord(1, DraftTree.chain(list(range(max(cap, 1)))), list(range(1, a + 1)), [9] * (a + 1), 9,
+                           torch.zeros(max(cap, 1)), 1.0)
+            r.timings.draft = (3.0 + (propose(cap) if cap > 0 else 0.0)) / 1000
+            records.append(r)
+            produced += a + 1
+    assert min(left) < 8  # some steps were capped: the old estimate (time less the full proposal) was off
+    assert _observe_ms(records, propose, 8) == pytest.approx(3.0)
+
+
 def test_tune_chooses_from_the_grid_caches_and_presets_override(target, checkpoints, monkeypatch, tmp_path):
     from specviz.apps import tuning
 

@@ -14,6 +14,7 @@ import hashlib
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from .profile import profile
 WARMUP_FILE = Path(__file__).resolve().parents[2] / "assets" / "data" / "warmup_prompts.json"
 WARMUP_PROMPTS = tuple(p["prompt"] for p in json.loads(WARMUP_FILE.read_text())["prompts"])
 WARMUP_TOKENS = 16
+ESTIMATOR = 2  # how a budget's costs are estimated: a cached budget from another version is measured again
 PRESETS = ("tuned", "paper", "fixed")  # the machine's budget, the paper's setting, the dataclass values
 
 
@@ -121,6 +123,21 @@ def _propose_ms(target: TargetModel, drafter, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def _observe_ms(records: list[StepRecord], propose: Callable[[float], float], depth: int) -> float:
+    """ms per step of feeding the drafter what was accepted: each warm-up step's draft time less its own
+    proposal's, drafted ``depth`` deep or as deep as the warm-up's tokens left allowed (near the end of
+    a warm-up they cap it: subtracting the full depth's proposal there undercounted this)."""
+    spent, produced = [], 0
+    for r in records:
+        if r.step == 0:  # a prefill starts the next warm-up prompt
+            produced = 0
+        else:
+            cap = min(depth, WARMUP_TOKENS - produced - 1)
+            spent.append(1000 * r.timings.draft - (propose(cap) if cap > 0 else 0.0))
+        produced += len(r.tokens)
+    return max(statistics.fmean(spent), 0.0) if spent else 0.0
+
+
 def _per_step(records: list[StepRecord], *phases: str) -> float:
     steps = decode_steps(records)
     return 1000 * sum(getattr(r.timings, p) for r in steps for p in phases) / max(len(steps), 1)
@@ -166,7 +183,7 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
     if not grids:
         return Tuned(name, {}, 1.0, 1.0, 0.0)
     costs = machine_costs(target)  # measured once per machine: `refresh` re-measures the method, not the curve
-    warm_up = [WARMUP_TOKENS, hashlib.sha1("".join(WARMUP_PROMPTS).encode()).hexdigest()[:8]]
+    warm_up = [WARMUP_TOKENS, hashlib.sha1("".join(WARMUP_PROMPTS).encode()).hexdigest()[:8], ESTIMATOR]
     key = json.dumps([machine_key(target), name, sorted(given.items()), _checkpoint_id(name, given), warm_up],
                      default=str)
 
@@ -182,12 +199,14 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
             low, high = min(grid.depths), max(grid.depths)
             records = _warm_up(target, build_drafter(name, target, **given, **grid.settings(high)))
             ends = [_propose_ms(target, build_drafter(name, target, **given, **grid.settings(d))) for d in (low, high)]
-            observe = max(_per_step(records, "draft") - ends[1], 0.0)  # feeding what was accepted
+            def propose(depth: float) -> float:  # a draft costs about one pass per depth: linear
+                return ends[0] + (ends[1] - ends[0]) * (depth - low) / max(high - low, 1)
+
+            observe = _observe_ms(records, propose, high)
             other = _per_step(records, "accept", "other")
             chain = grid.size_key is None and dict(grid.fixed).get("width", 1) == 1
-            for settings, depth, size in grid.candidates():  # a draft costs about one pass per depth: linear
-                propose = ends[0] + (ends[1] - ends[0]) * (depth - low) / max(high - low, 1)
-                options.append(Option(settings, estimate(records, depth, size), observe + propose, other, chain))
+            for settings, depth, size in grid.candidates():
+                options.append(Option(settings, estimate(records, depth, size), observe + propose(depth), other, chain))
         best: Budget = choose(options, costs.chain, costs.ar_other_ms, costs.tree)
         return {**asdict(best), "seconds": time.perf_counter() - start}
 
