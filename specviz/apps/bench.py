@@ -174,6 +174,7 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
             "date": time.strftime("%Y-%m-%d"),
             "machine": machine_description(),
             "verify_padding": {shape: {str(n): m for n, m in pad.items()} for shape, pad in target.padding.items()},
+            "cores_used": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "interrupted": interrupted,
             "methods": summary,
             "per_prompt": list(per_prompt),
