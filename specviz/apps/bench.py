@@ -271,7 +271,8 @@ def record_benchmark(results: dict, source: str) -> list[Path]:
         entry = {k: m[k] for k in ("tau", "alpha_conditional", "alpha_unconditional", "tokens_per_s", "speedup",
                                    "identical_to_ar", "prompts") if k in m}
         entry.update(questions=results.get("questions"), max_new_tokens=results["max_new_tokens"],
-                     dtype=results["dtype"], machine=results["machine"], date=results["date"],
+                     dtype=results["dtype"], machine=results["machine"], cores_used=results.get("cores_used"),
+                     date=results["date"],
                      results_file=shareable_path(source))
         bench = card.get(key) or {}
         bench[label] = entry
