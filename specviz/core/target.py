@@ -188,10 +188,11 @@ class TargetModel:
         if past + tree.max_depth + 1 > self.max_length:
             raise TargetError(
                 f"verifying {tree.max_depth + 1} positions after {past} exceeds the context of {self.max_length}")
-        size = self.padding.get("chain" if tree.is_chain else "tree", {}).get(n, n) if pad else n
-        if size > n and past + tree.max_depth + 1 + (size - n) * tree.is_chain <= self.max_length:
+        chain = tree.is_chain  # padding keeps a chain a chain and a tree a tree
+        size = self.padding.get("chain" if chain else "tree", {}).get(n, n) if pad else n
+        if size > n and past + tree.max_depth + 1 + (size - n) * chain <= self.max_length:
             tree = tree.padded(size - n)
-        mask = None if tree.is_chain else tree.attention_mask(past, self.dtype)  # a chain is plain causal
+        mask = None if chain else tree.attention_mask(past, self.dtype)  # a chain is plain causal
         logits, feats = self._forward(tree.input_ids(root), tree.positions(past), mask, cache)
         return logits[:n], feats[:n]
 
