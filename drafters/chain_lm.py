@@ -6,6 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from specviz.core.protocol import Drafter, DraftRequest
+from specviz.core.target import cache_kwarg
 from specviz.core.tree import DraftTree
 from specviz.core.verify import probabilities
 
@@ -30,7 +31,7 @@ class ChainLMDrafter(Drafter):
         out = self.model(
             input_ids=torch.tensor([ids], device=device),
             position_ids=torch.arange(start, start + len(ids), device=device)[None],
-            past_key_values=self.cache,
+            **cache_kwarg(self.model, self.cache),
             use_cache=True,
             logits_to_keep=1,
         )

@@ -22,6 +22,8 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask
 
+from specviz.core.target import cache_kwarg
+
 from .shards import Shards, recipe_key
 
 GROUPED = "specviz_grouped"
@@ -65,7 +67,8 @@ def greedy_answers(model, prompts: list[list[int]], max_new_tokens: int, eos: se
     stop = torch.tensor(sorted(eos) or [-1], device=device)
     alive = torch.arange(len(prompts), device=device)  # original row of each batch row
     answers: list[list[int]] = [[] for _ in prompts]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=1)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwarg(model, cache),
+                logits_to_keep=1)
     for step in range(max_new_tokens):
         nxt = out.logits[:, -1].argmax(-1)
         for row, tok in zip(alive.tolist(), nxt.tolist()):
@@ -79,7 +82,7 @@ def greedy_answers(model, prompts: list[list[int]], max_new_tokens: int, eos: se
             alive, nxt, mask, positions = alive[index], nxt[index], mask[index], positions[index]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
+        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions, **cache_kwarg(model, cache),
                     logits_to_keep=1)
     return answers
 

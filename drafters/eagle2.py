@@ -18,6 +18,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings
+from specviz.core.target import cache_kwarg
 from specviz.core.tree import DraftTree, additive_mask
 
 from .trained import TrainedDrafter
@@ -72,7 +73,7 @@ class FeatureNet(nn.Module):
         if self.sampler:  # FSPAD: the token embedding gates a projection of the fused feature
             x = x + self.sampler_down(F.silu(self.sampler_gate(embeds)) * self.sampler_up(self.sampler_norm(x)))
         cos_sin = self.rotary(x, positions)
-        x = x + self.attn(x, position_embeddings=cos_sin, attention_mask=mask, past_key_values=cache)[0]
+        x = x + self.attn(x, position_embeddings=cos_sin, attention_mask=mask, **cache_kwarg(self.attn, cache))[0]
         out = self.mlp(self.post_norm(x))
         if self.split:
             head_in, feature = (torch.cat([x, x], dim=-1) + out).chunk(2, dim=-1)

@@ -26,6 +26,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specviz.core.protocol import Commit
+from specviz.core.target import cache_kwarg
 
 from .eagle2 import Eagle2Drafter, LossOptions, layer_config
 
@@ -62,7 +63,7 @@ class FusedNet(nn.Module):
     def forward(self, hidden, embeds, positions, mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1)
         cos_sin = self.rotary(hidden, positions)
-        h = hidden + self.attn(x, position_embeddings=cos_sin, attention_mask=mask, past_key_values=cache)[0]
+        h = hidden + self.attn(x, position_embeddings=cos_sin, attention_mask=mask, **cache_kwarg(self.attn, cache))[0]
         h = h + self.mlp(self.post_norm(h))
         return self.out_norm(h), h
 

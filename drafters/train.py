@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -170,6 +171,14 @@ class Progress:
         return cls(**json.loads((folder / "progress.json").read_text()))
 
 
+def saved_state(work: Path | None) -> Path | None:
+    """The last complete training state in ``work``; ``state.old`` if a save was killed mid-swap."""
+    for name in ("state", "state.old"):
+        if work is not None and (Path(work) / name / "progress.json").exists():
+            return Path(work) / name
+    return None
+
+
 def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: FeatureSet, cfg: TrainConfig,
           data_meta: dict, out: Path | None = None, work: Path | None = None, resume: bool = False,
           accelerator: Accelerator | None = None, after_step: Callable[[int], None] | None = None) -> dict:
@@ -204,20 +213,33 @@ def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume
     state = None if work is None else Path(work) / "state"
     progress = Progress(running={}, history=[])
     if resume:
-        if state is None or not (state / "progress.json").exists():
+        saved = saved_state(work)
+        if saved is None:
             raise SettingsError(f"nothing to resume in {work}: no saved training state")
-        accelerator.load_state(str(state))
-        progress = Progress.load(state)
+        accelerator.load_state(str(saved))
+        progress = Progress.load(saved)
     start = time.perf_counter() - progress.wall_s
     bar = tqdm(total=total_steps, initial=progress.step, desc=f"train {method.name}", unit="step",
                disable=not accelerator.is_main_process)
 
-    def save() -> None:
-        if state is not None:
-            accelerator.save_state(str(state))
-            progress.wall_s = time.perf_counter() - start
-            if accelerator.is_main_process:
-                progress.save(state)
+    def save() -> None:  # written aside, then swapped in: a kill mid-save leaves the last state whole
+        if state is None:
+            return
+        partial, old = state.with_name("state.partial"), state.with_name("state.old")
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(partial))
+        progress.wall_s = time.perf_counter() - start
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            progress.save(partial)  # last: a folder holding it is complete
+            shutil.rmtree(old, ignore_errors=True)
+            if state.exists():
+                state.rename(old)
+            partial.rename(state)
+            shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
 
     first = 0  # the first step of this epoch
     for epoch, epoch_batches in enumerate(plan):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specviz.core.errors import SpecvizError
-from specviz.core.target import TargetError
+from specviz.core.target import TargetError, cache_kwarg
 from specviz.core.tree import DraftTree
 
 
@@ -238,3 +238,16 @@ def test_padding_never_pushes_a_chain_past_the_context(tiny_target):
     target.prefill(list(range(6)), cache)  # room for the padding now
     target.verify(1, DraftTree.chain([1, 2, 3]), cache)
     assert cache.get_seq_length() == 6 + 8
+
+
+def test_the_cache_goes_under_the_keyword_each_forward_takes():
+    class Renamed(torch.nn.Module):
+        def forward(self, x, cache=None, **kwargs):
+            return cache
+
+    class Older(torch.nn.Module):
+        def forward(self, x, past_key_values=None, **kwargs):
+            return past_key_values
+
+    for module in (Renamed(), Older()):
+        assert module(0, **cache_kwarg(module, "kv")) == "kv"

@@ -59,6 +59,32 @@ def test_a_killed_run_resumes_to_the_unbroken_weights(method, target, data, tmp_
         assert again["training"]["answer_tokens_seen"] == whole["training"]["answer_tokens_seen"]
 
 
+def test_a_kill_while_saving_leaves_the_last_state_whole(target, data, tmp_path, monkeypatch):
+    from drafters.train import Progress
+
+    cfg = TrainConfig(epochs=1, batch_tokens=128, lr=3e-3, draft_vocab=32, save_every=3)
+    cls = METHODS["eagle2"][0]
+    train(cls, target, data, data, cfg, {}, tmp_path / "whole", tmp_path / "unbroken")
+    plain_save, calls = Progress.save, []
+
+    def dies_on_the_second_save(self, folder):
+        calls.append(self.step)
+        if len(calls) == 2:  # the weights of step 6 are written; its progress is not
+            raise Killed
+        plain_save(self, folder)
+
+    work = tmp_path / "killed"
+    with monkeypatch.context() as patch:
+        patch.setattr(Progress, "save", dies_on_the_second_save)
+        with pytest.raises(Killed):
+            train(cls, target, data, data, cfg, {}, None, work)
+    assert calls == [3, 6] and Progress.load(work / "state").step == 3
+    (work / "state").rename(work / "state.old")  # and a kill between the swap's two renames
+    train(cls, target, data, data, cfg, {}, tmp_path / "resumed", work, resume=True)
+    a, b = (load_file(str(tmp_path / f / "weights.safetensors")) for f in ("whole", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_drafters_trained_one_after_another_on_one_accelerator_each_resume(target, data, tmp_path):
     """`specviz train --drafter a,b` shares one accelerator; b's saved state must hold b alone."""
     from drafters.train import make_accelerator

@@ -3,7 +3,8 @@
 # killed one goes on with --resume from its .runs log (kept beside the output, in the work tree).
 #   bash assets/bench/run_benches.sh STEP [STEP ...]
 # Steps: trees-mtbench trees-humaneval (tau at the shared trees, fp32) tuned-fp32 tuned-auto (speed);
-# eagle3-train (2 epochs on the shared sequences and budget, resumable, shipped when done), then
+# eagle3-train (2 epochs on the shared sequences and budget, resumable, shipped when done; its saves are
+# mirrored in .train-state/ for a lost cache), then
 # eagle3-mtbench eagle3-humaneval (eagle3 beside hass at the same trees).
 # CORE=N pins the step to one core with one torch thread, so two tau-only steps can share a 2-core
 # machine; their tokens/s are then not speed figures (the tuned steps run alone, on every core).
@@ -29,6 +30,24 @@ load_results; sys.exit(load_results(Path(sys.argv[1]))['interrupted'])" "$out" 2
   pinned python3 -m specviz bench --out "$out" "${resume[@]}" "$@"
 }
 
+keep_state() {  # the cache may not survive a session: mirror each run's last whole save into .train-state/
+  local runs=${SPECVIZ_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/specviz}/train/runs mirror=.train-state name inode
+  mkdir -p "$runs" "$mirror"
+  for kept in "$mirror"/*/; do  # restore what the cache lost
+    [ -d "$kept/state" ] && [ ! -e "$runs/$(basename "$kept")/state" ] && cp -r "$kept" "$runs/"
+  done
+  while sleep 600; do
+    for state in "$runs"/*/state; do
+      [ -f "$state/progress.json" ] || continue
+      name=$(basename "$(dirname "$state")"); inode=$(stat -c %i "$state")
+      rm -rf "$mirror/$name.partial"; mkdir -p "$mirror/$name.partial"
+      cp -r "$state" "$mirror/$name.partial/" 2>/dev/null || continue
+      [ "$(stat -c %i "$state" 2>/dev/null)" = "$inode" ] || continue  # a save was swapped in meanwhile
+      rm -rf "$mirror/$name"; mv "$mirror/$name.partial" "$mirror/$name"
+    done
+  done
+}
+
 pinned() { if [ -n "${CORE:-}" ]; then env OMP_NUM_THREADS=1 taskset -c "$CORE" "$@"; else "$@"; fi; }
 
 for step in "$@"; do
@@ -42,6 +61,7 @@ for step in "$@"; do
     tuned-auto) run assets/bench/mtbench80_tuned_auto_cpu.json.xz --questions mt-bench --dtype auto \
       --max-new-tokens 256 --methods "$TUNED" ;;
     eagle3-train) [ -f assets/drafters/eagle3/card.json ] && { echo "done: eagle3 is shipped"; continue; }
+      keep_state & trap "kill $! 2>/dev/null" EXIT
       pinned python3 -m specviz train --drafter eagle3 --samples all --prompts all --epochs 2 \
         --feature-dtype bfloat16 --distill-dtype bfloat16 --precision bf16 --resume --ship ;;
     eagle3-mtbench) run assets/bench/mtbench80_eagle3_cpu.json.xz --questions mt-bench --dtype float32 \

@@ -374,7 +374,7 @@ def cmd_train(args) -> None:
 
     from drafters.checkpoint import CARD, ship_checkpoint
     from drafters.corpus import prepare
-    from drafters.train import OUTSIDE_RUN_KEY, TrainConfig, make_accelerator, train
+    from drafters.train import OUTSIDE_RUN_KEY, TrainConfig, make_accelerator, saved_state, train
     from specviz.core.load import cache_dir, default_device, load_target
 
     names = _drafters_to_train(args.drafter)
@@ -400,7 +400,7 @@ def cmd_train(args) -> None:
                 shutil.copytree(finished, out, dirs_exist_ok=True)
             print(f"{name}: finished before, in {finished}" + (f"; copied to {out}" if out != finished else ""))
         else:
-            saved = (work / "state" / "progress.json").exists()
+            saved = saved_state(work) is not None
             if args.resume and not saved:
                 print(f"{name}: no saved state in {work}; starting it", flush=True)
             card = train(METHODS[name][0], target, train_set, val_set, cfg, meta, out, work, args.resume and saved,

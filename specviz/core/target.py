@@ -13,6 +13,9 @@ the same tensor, ``[T, H * (1 + len(taps))]``.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers import DynamicCache
 
@@ -22,6 +25,17 @@ from .tree import DraftTree
 
 class TargetError(SpecvizError):
     """The target cannot do what was asked (context overflow, unsupported cache...)."""
+
+
+@functools.cache
+def _cache_name(module_type: type) -> str:
+    return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
+
+
+def cache_kwarg(module: torch.nn.Module, cache) -> dict:
+    """``cache`` as the keyword ``module.forward`` takes: transformers 5.24 renamed ``past_key_values``
+    to ``cache`` (the old name is dropped in 5.40, where a module taking ``**kwargs`` would ignore it)."""
+    return {_cache_name(type(module)): cache}
 
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -156,7 +170,7 @@ class TargetModel:
             input_ids=ids.to(self.device)[None],
             position_ids=positions.to(self.device),
             attention_mask=None if mask is None else mask.to(self.device),
-            past_key_values=cache,
+            **cache_kwarg(self.model, cache),
             use_cache=True,
             logits_to_keep=keep,
             output_hidden_states=bool(self.taps) or not self._hooked,
