@@ -5,7 +5,8 @@
 # Steps: trees-mtbench trees-humaneval (tau at the shared trees, fp32) tuned-fp32 tuned-auto (speed);
 # eagle3-train (2 epochs on the shared sequences and budget, resumable, shipped when done; its saves are
 # mirrored in .train-state/ for a lost cache), then
-# eagle3-mtbench eagle3-humaneval (eagle3 beside hass at the same trees).
+# eagle3-mtbench eagle3-humaneval (eagle3 beside hass at the same trees); redrafter-mtbench redrafter-humaneval
+# (ReDrafter at Medusa's node counts after prefix merging).
 # CORE=N pins the step to one core with one torch thread, so two tau-only steps can share a 2-core
 # machine; their tokens/s are then not speed figures (the tuned steps run alone, on every core).
 set -euo pipefail
@@ -17,6 +18,9 @@ semi-attn:preset=paper,semi-lstm:preset=paper,eagle2:preset=paper,eagle2:$TREE16
 hass:preset=paper,hass:$TREE16,fspad:preset=paper,fspad:$TREE16"
 TUNED="ar,hf,pld,lookahead,skip,eagle2,hass,fspad,medusa,redrafter,semi-attn,semi-lstm"
 [ -f assets/drafters/eagle3/card.json ] && TUNED="$TUNED,eagle3"
+# ReDrafter's beams share prefixes: 4x4 beams verify 10 nodes on average, 7x4 about 16, 28x4 about 57 (4 MT-bench
+# prompts); these widths compare it with Medusa's 16- and 60-node trees at equal verified nodes.
+REDRAFTER="ar,redrafter:width=7:length=4,redrafter:width=28:length=4"
 EAGLE3="ar,hass:preset=paper,hass:$TREE16,eagle3:preset=paper,eagle3:$TREE16"
 
 run() {  # OUT, then bench arguments
@@ -68,6 +72,10 @@ for step in "$@"; do
       --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
     eagle3-humaneval) run assets/bench/humaneval40_eagle3_cpu.json.xz --questions humaneval --limit 40 \
       --dtype float32 --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
+    redrafter-mtbench) run assets/bench/mtbench80_redrafter_nodes_cpu.json.xz --questions mt-bench \
+      --dtype float32 --max-new-tokens 256 --methods "$REDRAFTER" ;;
+    redrafter-humaneval) run assets/bench/humaneval40_redrafter_nodes_cpu.json.xz --questions humaneval --limit 40 \
+      --dtype float32 --max-new-tokens 256 --methods "$REDRAFTER" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
   esac
 done
