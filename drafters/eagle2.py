@@ -33,7 +33,8 @@ def layer_config(target_config) -> LlamaConfig:
         hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=1,
         num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
-        max_position_embeddings=getattr(c, "max_position_embeddings", 8192), vocab_size=1,
+        max_position_embeddings=getattr(c, "max_position_embeddings", 8192), vocab_size=1, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None,  # no vocabulary of its own: no special ids to check
         rope_parameters=getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0},
     )
     cfg._attn_implementation = "sdpa"

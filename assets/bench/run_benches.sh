@@ -20,7 +20,8 @@ TUNED="ar,hf,pld,lookahead,skip,eagle2,hass,fspad,medusa,redrafter,semi-attn,sem
 [ -f assets/drafters/eagle3/card.json ] && TUNED="$TUNED,eagle3"
 # ReDrafter's beams share prefixes: 4x4 beams verify 10 nodes on average, 7x4 about 16, 28x4 about 57 (4 MT-bench
 # prompts); these widths compare it with Medusa's 16- and 60-node trees at equal verified nodes.
-REDRAFTER="ar,redrafter:width=7:length=4,redrafter:width=28:length=4"
+REDRAFTER="ar,medusa:preset=paper,medusa:heads=4:top_k=8:total_tokens=60,redrafter:width=7:length=4,\
+redrafter:width=28:length=4"
 EAGLE3="ar,hass:preset=paper,hass:$TREE16,eagle3:preset=paper,eagle3:$TREE16"
 
 run() {  # OUT, then bench arguments
@@ -66,7 +67,8 @@ for step in "$@"; do
       --max-new-tokens 256 --methods "$TUNED" ;;
     eagle3-train) [ -f assets/drafters/eagle3/card.json ] && { echo "done: eagle3 is shipped"; continue; }
       keep_state & trap "kill $! 2>/dev/null" EXIT
-      pinned python3 -m specviz train --drafter eagle3 --samples all --prompts all --epochs 2 \
+      pinned python3 -m specviz train --drafter eagle3 --samples all --prompts all --max-prompt-tokens 512 \
+        --answer-tokens 256 --epochs 2 \
         --feature-dtype bfloat16 --distill-dtype bfloat16 --precision bf16 --resume --ship ;;
     eagle3-mtbench) run assets/bench/mtbench80_eagle3_cpu.json.xz --questions mt-bench --dtype float32 \
       --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
