@@ -137,13 +137,56 @@ def test_resume_needs_the_log_of_the_same_command(tiny_folder, tmp_path, monkeyp
     monkeypatch.undo()
     assert main([*command, "--max-new-tokens", "7", "--resume"]) == 2
     assert "other max new tokens" in capsys.readouterr().err
-    import specviz.apps.tuning  # the budget pld was tuned to has changed since (a cache lost, say)
 
-    real = specviz.apps.tuning.resolve
+
+def test_a_resume_runs_at_the_budgets_its_log_recorded(tiny_folder, tmp_path, monkeypatch):
+    """The tuner would choose otherwise now (a cache lost, say): the resumed prompts still run pld as the first did."""
+    import pickle
+
+    import specviz.apps.bench
+    import specviz.apps.tuning
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(2)))
+    out = tmp_path / "r.json"
+    command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
+               "--max-new-tokens", "6", "--out", str(out)]
+    real_run, real_resolve, ran = specviz.apps.bench.run, specviz.apps.tuning.resolve, []
+
+    def killed_at_prompt_2(target, drafter, *args, **kwargs):
+        ran.append(drafter)
+        if len(ran) > 2 + 2:  # warm-up (2 methods), then prompt 1
+            raise SystemExit("killed")
+        return real_run(target, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(specviz.apps.bench, "run", killed_at_prompt_2)
+    with pytest.raises(SystemExit):
+        main(command)
+    first = json.loads(out.read_text())["methods"]["pld"]["budget"]
+    assert first["tuned"] and first["settings"]["num_tokens"] != 9
     monkeypatch.setattr(specviz.apps.tuning, "resolve", lambda target, name, settings: (
-        ({"num_tokens": 9}, None) if name == "pld" else real(target, name, settings)))
-    assert main([*command, "--max-new-tokens", "6", "--resume"]) == 2
-    assert "other budgets" in capsys.readouterr().err
+        ({"num_tokens": 9}, None) if name == "pld" else real_resolve(target, name, settings)))
+    monkeypatch.setattr(specviz.apps.bench, "run", real_run)
+    assert main([*command, "--resume"]) == 0
+    resumed = json.loads(out.read_text())
+    assert not resumed["interrupted"] and resumed["methods"]["pld"]["budget"] == first
+
+    ran.clear()  # a log from before the budgets' records were kept holds each budget's settings alone
+    monkeypatch.setattr(specviz.apps.bench, "run", killed_at_prompt_2)
+    old = tmp_path / "old.json"
+    with pytest.raises(SystemExit):
+        main([*command[:-1], str(old)])
+    log = old.with_name(old.name + ".runs")
+    with log.open("rb") as f:
+        settings, prompt_1 = pickle.load(f), f.read()
+    settings["budgets"] = {"ar": {}, "pld": {"num_tokens": 3}}
+    log.write_bytes(pickle.dumps(settings) + prompt_1)
+    ran.clear()
+    monkeypatch.setattr(specviz.apps.bench, "run", lambda target, drafter, *a, **k: (
+        ran.append(drafter), real_run(target, drafter, *a, **k))[1])
+    assert main([*command[:-1], str(old), "--resume"]) == 0
+    assert {d.settings.num_tokens for d in ran if type(d).__name__ == "PromptLookupDrafter"} == {3}
+    assert json.loads(old.read_text())["methods"]["pld"]["budget"] == {"settings": {"num_tokens": 3}}
 
 
 def test_train_then_generate_with_the_checkpoint(tiny_folder, tmp_path, monkeypatch, capsys):

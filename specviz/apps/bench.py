@@ -62,46 +62,50 @@ def _hf_runner(target: TargetModel, max_new_tokens: int, sampling: Sampling, ext
 
 
 def resolved_budgets(target: TargetModel, methods: list[str]) -> dict[str, dict]:
-    """The settings each engine method will run with (a tuned budget read from the cache when tuned before):
-    a resumed run must run every method as its first prompts did."""
+    """What each engine method's budget will be (``settings``, and the tuner's expectations when tuned; read from
+    the cache when tuned before). A run log keeps them, so a resumed run runs every method as its first prompts
+    did even when the cache was lost and a new tuning would choose otherwise."""
     from .tuning import resolve
 
-    specs = {m.strip(): parse_method(m) for m in methods}
-    return {label: resolve(target, name, settings)[0] for label, (name, settings) in specs.items()
-            if name not in HF_BASELINES}
+    budgets = {}
+    for label, (name, settings) in ((m.strip(), parse_method(m)) for m in methods):
+        if name in HF_BASELINES:
+            continue
+        settings, tuned = resolve(target, name, settings)
+        budgets[label] = {"settings": settings}
+        if tuned is not None:
+            budgets[label].update(tuned=True, expected_tau=tuned.expected_tau,
+                                  expected_speedup=tuned.expected_speedup,
+                                  expected_ms_per_token=tuned.expected_ms_per_token())
+    return budgets
 
 
-def _engine_runner(target: TargetModel, name: str, settings: dict, max_new_tokens: int,
-                   sampling: Sampling) -> tuple[Callable, int, dict]:
-    """The method at its settings (its tuned budget unless given, see ``tuning.resolve``), its extra
-    parameters, and what the bench records about its budget."""
-    from .tuning import resolve
-
-    settings, tuned = resolve(target, name, settings)
-    drafter = build_drafter(name, target, **settings)
+def _engine_runner(target: TargetModel, name: str, budget: dict, max_new_tokens: int,
+                   sampling: Sampling) -> tuple[Callable, int]:
+    """The method at its budget (``resolved_budgets``) and its extra parameters."""
+    drafter = build_drafter(name, target, **budget["settings"])
 
     def go(ids: list[int]) -> PromptRun:
         result = run(target, drafter, ids, max_new_tokens, sampling, hover=False)
         return PromptRun(result.output_ids, result.wall_s, result.records)
 
-    budget = {"settings": settings}
-    if tuned is not None:
-        budget.update(tuned=True, expected_tau=tuned.expected_tau, expected_speedup=tuned.expected_speedup,
-                      expected_ms_per_token=tuned.expected_ms_per_token())
-    return go, drafter.num_parameters(), budget
+    return go, drafter.num_parameters()
 
 
 def bench(target: TargetModel, methods: list[str], questions: list[Question], max_new_tokens: int = 128,
           sampling: Sampling | None = None, warmup: bool = True, progress: bool = True,
-          on_prompt: Callable[[dict], None] | None = None, runs: dict[str, list[PromptRun]] | None = None) -> dict:
+          on_prompt: Callable[[dict], None] | None = None, runs: dict[str, list[PromptRun]] | None = None,
+          budgets: dict[str, dict] | None = None) -> dict:
     """Run every method on every question (AR always included as the reference).
 
     ``on_prompt`` gets the results so far after each prompt but the last, so a caller can save them
     and a killed run loses at most one prompt. Ctrl-C returns the prompts every method finished.
-    ``runs`` is filled in place, and may hold a killed run's first prompts to resume it (see bench_steps)."""
+    ``runs`` is filled in place, and may hold a killed run's first prompts to resume it, with the ``budgets``
+    those prompts ran at (see bench_steps)."""
     results = None
     try:
-        for results in bench_steps(target, methods, questions, max_new_tokens, sampling, warmup, progress, runs):
+        for results in bench_steps(target, methods, questions, max_new_tokens, sampling, warmup, progress, runs,
+                                   budgets):
             if on_prompt is not None and results["interrupted"]:
                 on_prompt(results)
     except KeyboardInterrupt:
@@ -112,11 +116,13 @@ def bench(target: TargetModel, methods: list[str], questions: list[Question], ma
 
 def bench_steps(target: TargetModel, methods: list[str], questions: list[Question], max_new_tokens: int = 128,
                 sampling: Sampling | None = None, warmup: bool = True, progress: bool = True,
-                runs: dict[str, list[PromptRun]] | None = None) -> Iterator[dict]:
+                runs: dict[str, list[PromptRun]] | None = None,
+                budgets: dict[str, dict] | None = None) -> Iterator[dict]:
     """Yield the results so far after every prompt; all but the last are marked ``interrupted``.
 
     ``runs`` (method label → one PromptRun per question, in order) is filled in place; the questions
-    it already holds, from an earlier run of the same methods, are kept and not run again."""
+    it already holds, from an earlier run of the same methods, are kept and not run again. ``budgets`` (label →
+    ``resolved_budgets``' record) fixes the engine methods' budgets; the rest are resolved here."""
     if not questions:
         raise SettingsError("no questions to run")
     sampling = sampling or Sampling()
@@ -127,14 +133,16 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
     if "ar" not in labels:  # AR is the reference for speedup and identical_to_ar
         specs.insert(0, ("ar", {}))
         labels.insert(0, "ar")
-    runners, extra, budgets = {}, {}, {}
+    budgets = dict(budgets or {})
+    runners, extra = {}, {}
     for label, (name, settings) in zip(labels, specs):
         if name in HF_BASELINES:
             runners[label] = _hf_runner(target, max_new_tokens, sampling, {**HF_BASELINES[name], **settings})
             extra[label] = 0
         else:
-            runners[label], extra[label], budgets[label] = _engine_runner(target, name, settings, max_new_tokens,
-                                                                          sampling)
+            if label not in budgets:
+                budgets.update(resolved_budgets(target, [label]))
+            runners[label], extra[label] = _engine_runner(target, name, budgets[label], max_new_tokens, sampling)
     prompts = [target.encode_chat(q.prompt) for q in questions]
     if warmup:
         for go in runners.values():

@@ -209,10 +209,14 @@ def cmd_bench(args) -> None:
     questions = load_questions(args.questions, args.limit, args.per_category)
     target = load_target(args.target, args.dtype, args.device)
     out = Path(args.out)
-    log = RunLog(out.with_name(out.name + ".runs"), {
+    settings = {
         "methods": methods, "questions": [q.id for q in questions], "max new tokens": args.max_new_tokens,
         "sampling": [sampling.temperature, sampling.top_p, sampling.resolved_rule], "target": target.name,
-        "dtype": args.dtype, "device": str(target.device), "budgets": resolved_budgets(target, methods)})
+        "dtype": args.dtype, "device": str(target.device)}
+    log = RunLog(out.with_name(out.name + ".runs"), settings)
+    # a resume runs at the budgets its log recorded, not at what the tuner (or a lost cache) would choose now
+    budgets = log.budgets() if args.resume else resolved_budgets(target, methods)
+    log.settings["budgets"] = budgets
     runs = log.resume() if args.resume else {}
     if args.resume:
         print(f"resuming: {len(runs.get('ar', []))} of {len(questions)} prompts already done")
@@ -235,7 +239,8 @@ def cmd_bench(args) -> None:
 
     watchdog()
     try:
-        results = bench(target, methods, questions, args.max_new_tokens, sampling, on_prompt=save, runs=runs)
+        results = bench(target, methods, questions, args.max_new_tokens, sampling, on_prompt=save, runs=runs,
+                        budgets=budgets)
     finally:
         faulthandler.cancel_dump_traceback_later()
     save(results)

@@ -55,16 +55,31 @@ class RunLog:
         with self.path.open("wb") as f:
             pickle.dump(self.settings, f)
 
-    def resume(self) -> dict[str, list[PromptRun]]:
+    def _read_settings(self, f) -> dict:
+        try:
+            settings = pickle.load(f)
+        except Exception as e:
+            raise SettingsError(f"{self.path} is not a bench run log ({e})") from None
+        if "budgets" in settings:  # logs before 2026-11-25 kept each budget's settings alone
+            settings["budgets"] = {label: b if "settings" in b else {"settings": b}
+                                   for label, b in settings["budgets"].items()}
+        return settings
+
+    def _open(self):
         if not self.path.exists():
             raise SettingsError(f"nothing to resume: {self.path} does not exist (bench writes it while it runs and "
                                 "removes it when the run is complete)")
+        return self.path.open("rb")
+
+    def budgets(self) -> dict[str, dict]:
+        """The budgets the logged prompts ran at (label → ``bench.resolved_budgets``' record)."""
+        with self._open() as f:
+            return self._read_settings(f).get("budgets", {})
+
+    def resume(self) -> dict[str, list[PromptRun]]:
         runs: dict[str, list[PromptRun]] = {}
-        with self.path.open("rb") as f:
-            try:
-                settings = pickle.load(f)
-            except Exception as e:
-                raise SettingsError(f"{self.path} is not a bench run log ({e})") from None
+        with self._open() as f:
+            settings = self._read_settings(f)
             if settings != self.settings:
                 changed = sorted(k for k in settings.keys() | self.settings.keys()
                                  if settings.get(k) != self.settings.get(k))
