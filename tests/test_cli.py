@@ -189,6 +189,68 @@ def test_a_resume_runs_at_the_budgets_its_log_recorded(tiny_folder, tmp_path, mo
     assert json.loads(old.read_text())["methods"]["pld"]["budget"] == {"settings": {"num_tokens": 3}}
 
 
+def test_a_bench_in_parts_equals_one_run(tiny_folder, tmp_path, monkeypatch, capsys):
+    """A run killed after prompt 1, its other 4 prompts as --part 1/2 and 2/2 (the second killed and resumed),
+    then the full command with --resume: it takes both parts in, runs nothing more, and equals an unbroken run."""
+    import specviz.apps.bench
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(5)))
+    out = tmp_path / "r.json"
+    command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
+               "--max-new-tokens", "6", "--out", str(out)]
+    real_run, calls = specviz.apps.bench.run, []
+
+    def killed_after(n):
+        def counted(*args, **kwargs):
+            calls.append(1)
+            if len(calls) > n:
+                raise SystemExit("killed")
+            return real_run(*args, **kwargs)
+        calls.clear()
+        monkeypatch.setattr(specviz.apps.bench, "run", counted)
+
+    killed_after(2 + 2)  # warm-up, then prompt 1
+    with pytest.raises(SystemExit):
+        main(command)
+    killed_after(10**6)
+    assert main([*command, "--part", "1/2"]) == 0
+    killed_after(2 + 2)  # part 2 of 2 (prompts 4-5), killed after prompt 4
+    with pytest.raises(SystemExit):
+        main([*command, "--part", "2/2"])
+    part2 = tmp_path / "r.json.part2-of-2.runs"
+    assert json.loads((tmp_path / "r.json.part2-of-2").read_text())["per_prompt"][0]["id"] == "3"
+    killed_after(10**6)
+    assert main([*command, "--part", "2/2", "--resume"]) == 0
+    assert len(calls) == 2 + 2  # warm-up, then prompt 5 only
+    assert main([*command, "--part", "3/2"]) == 2 and "--part takes K/N" in capsys.readouterr().err
+
+    calls.clear()
+    assert main([*command, "--resume"]) == 0
+    assert not calls  # every prompt came from the log and its parts: not even a warm-up runs
+    assert "took in r.json.part1-of-2.runs" in capsys.readouterr().out
+    assert not part2.exists() and not (tmp_path / "r.json.runs").exists() and not list(tmp_path.glob("*part*"))
+    assert main([*command[:-1], str(tmp_path / "unbroken.json")]) == 0
+    parted, unbroken = json.loads(out.read_text()), json.loads((tmp_path / "unbroken.json").read_text())
+    assert not parted["interrupted"] and [r["id"] for r in parted["per_prompt"]] == ["0", "1", "2", "3", "4"]
+    for label in ("ar", "pld"):
+        for field in ("prompts", "new_tokens", "identical_to_ar", "tau", "alpha_conditional", "budget"):
+            assert parted["methods"][label][field] == unbroken["methods"][label][field], (label, field)
+
+
+def test_a_part_of_other_settings_is_refused(tiny_folder, tmp_path, capsys):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(2)))
+    command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar",
+               "--out", str(tmp_path / "r.json")]
+    assert main([*command, "--max-new-tokens", "5", "--part", "1/1"]) == 0
+    assert main([*command, "--max-new-tokens", "6", "--resume"]) == 2
+    assert "other max new tokens" in capsys.readouterr().err
+    assert (tmp_path / "r.json.part1-of-1.runs").exists()  # kept, not lost
+    assert main([*command, "--max-new-tokens", "5", "--resume"]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["methods"]["ar"]["prompts"] == 2
+
+
 def test_train_then_generate_with_the_checkpoint(tiny_folder, tmp_path, monkeypatch, capsys):
     """The shared pipeline end to end on real ShareGPT prompts: self-distil, features, train, save, use."""
     monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))

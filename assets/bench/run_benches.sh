@@ -9,6 +9,8 @@
 # (ReDrafter at Medusa's node counts after prefix merging).
 # CORE=N pins the step to one core with one torch thread, so two tau-only steps can share a 2-core
 # machine; their tokens/s are then not speed figures (the tuned steps run alone, on every core).
+# PART=K/N runs the K-th of N blocks of what a tau step has left (bench --part): CORE=0 PART=1/2 and
+# CORE=1 PART=2/2 side by side, then the step without PART takes both parts in and finishes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 TREE16=depth=4:top_k=4:total_tokens=16
@@ -26,13 +28,20 @@ EAGLE3="ar,hass:preset=paper,hass:$TREE16,eagle3:preset=paper,eagle3:$TREE16"
 
 run() {  # OUT, then bench arguments
   local out=$1; shift
-  if [ ! -f "$out.runs" ] && python3 -c "import sys; from pathlib import Path; from specviz.apps.bench import \
-load_results; sys.exit(load_results(Path(sys.argv[1]))['interrupted'])" "$out" 2>/dev/null; then
+  local parts=("$out".part*-of-*.runs)
+  [ -f "${parts[0]}" ] || parts=()
+  if [ ! -f "$out.runs" ] && [ ${#parts[@]} = 0 ] && python3 -c "import sys; from pathlib import Path; from \
+specviz.apps.bench import load_results; sys.exit(load_results(Path(sys.argv[1]))['interrupted'])" "$out" 2>/dev/null; then
     echo "done: $out"; return
   fi
-  local resume=()
-  [ -f "$out.runs" ] && resume=(--resume)
-  pinned python3 -m specviz bench --out "$out" "${resume[@]}" "$@"
+  local extra=()
+  if [ -n "${PART:-}" ]; then  # K/N: one block of what is left, in a log of its own (bench --part)
+    extra=(--part "$PART")
+    [ -f "$out.part${PART/\//-of-}.runs" ] && extra+=(--resume)
+  elif [ -f "$out.runs" ] || [ ${#parts[@]} -gt 0 ]; then
+    extra=(--resume)  # takes finished parts in
+  fi
+  pinned python3 -m specviz bench --out "$out" "${extra[@]}" "$@"
 }
 
 keep_state() {  # the cache may not survive a session: mirror each run's last whole save into .train-state/

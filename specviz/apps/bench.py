@@ -144,9 +144,6 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
                 budgets.update(resolved_budgets(target, [label]))
             runners[label], extra[label] = _engine_runner(target, name, budgets[label], max_new_tokens, sampling)
     prompts = [target.encode_chat(q.prompt) for q in questions]
-    if warmup:
-        for go in runners.values():
-            go(prompts[0][:64])
     results = runs if runs is not None else {}
     if any(results.values()) and set(results) != set(labels):
         raise SettingsError(f"the run to resume has the methods {sorted(results)}, not {sorted(labels)}")
@@ -156,6 +153,9 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
     if finished > len(questions) or any(len(r) != finished for r in results.values()):
         raise SettingsError(f"the run to resume has {finished} prompts per method; "
                             f"this question set has {len(questions)}")
+    if warmup and finished < len(questions):  # a resume with nothing left to run needs none
+        for go in runners.values():
+            go(prompts[0][:64])
     tolerance = TIE_TOLERANCE.get(str(target.dtype).replace("torch.", "")) if sampling.greedy else None
     per_prompt = [_row(q, len(ids), {label: results[label][i] for label in labels}, tolerance)
                   for i, (q, ids) in enumerate(zip(questions[:finished], prompts))]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import glob
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from drafters import METHODS, build_drafter
@@ -63,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--watchdog", type=float, default=900,
                    help="seconds on one prompt before printing every thread's stack")
     b.add_argument("--resume", action="store_true", help="continue a killed run of the same command where it stopped")
+    b.add_argument("--part", default=None, metavar="K/N",
+                   help="run the K-th of N blocks of the questions not yet done, in a log of its own (one process "
+                        "per core); the command without --part, with --resume, takes the finished parts in")
 
     pr = sub.add_parser("profile", help="verify-cost curve: ms per target forward vs tokens verified")
     pr.add_argument("--target", default=None)
@@ -197,12 +202,57 @@ def cmd_generate(args) -> None:
               f"unconditional {u:.3f} (accepted / all steps)")
 
 
+def _bench_log(args, out: Path, questions: list, settings: dict, resolve: Callable[[], dict]):
+    """This bench's run log, output, questions and budgets (``resolve()`` when no log fixes them). ``--part K/N``
+    runs the K-th of N blocks of the questions the full run has not logged yet, in a log of its own at the full
+    run's budgets; the full command with ``--resume`` takes finished parts in (``RunLog.absorb``), so a τ bench
+    can run one process per core."""
+    from .runlog import RunLog
+
+    log = RunLog(out.with_name(out.name + ".runs"), settings)
+    if not args.part:
+        if not args.resume:
+            return log, out, questions, resolve()
+        parts = sorted(out.parent.glob(f"{glob.escape(out.name)}.part*-of-*.runs"))
+        if parts and not log.path.exists():  # only parts ran: their budgets are the run's
+            first = RunLog(parts[0], settings).on_file()[0]
+            log.check(first, but=("questions", "budgets"), source=parts[0])
+            log.settings["budgets"] = first["budgets"]
+            log.start()
+        log.settings["budgets"] = log.budgets()
+        for part in log.absorb(parts):
+            part.unlink()
+            out.with_name(part.name.removesuffix(".runs")).unlink(missing_ok=True)
+            print(f"took in {part.name}")
+        return log, out, questions, log.settings["budgets"]
+    try:
+        k, n = (int(x) for x in args.part.split("/"))
+        assert 1 <= k <= n
+    except (ValueError, AssertionError):
+        raise SpecvizError(f"--part takes K/N with 1 <= K <= N, got {args.part!r}") from None
+    out = out.with_name(f"{out.name}.part{k}-of-{n}")
+    part = RunLog(out.with_name(out.name + ".runs"), dict(settings))
+    if args.resume:  # this part's own questions, however far the full run has got since
+        ids = set(part.on_file()[0]["questions"])
+        block, budgets = [q for q in questions if q.id in ids], part.budgets()
+    else:
+        if not log.path.exists():  # the first part to get here writes the full run's log: all run at its budgets
+            log.settings["budgets"] = resolve()
+            log.start(exclusive=True)
+        done, budgets = len(log.on_file()[1]), log.budgets()
+        size = -(-(len(questions) - done) // n)
+        block = questions[done + (k - 1) * size : done + k * size]
+        if not block:
+            raise SpecvizError(f"part {k} of {n} has no questions: {len(questions) - done} are left to run")
+    part.settings["questions"] = [q.id for q in block]
+    return part, out, block, budgets
+
+
 def cmd_bench(args) -> None:
     from specviz.core.load import load_target
 
     from .bench import bench, exactness_text, record_benchmark, resolved_budgets, save_results
     from .questions import load_questions
-    from .runlog import RunLog
 
     sampling = _sampling(args)
     methods = [m for m in args.methods.split(",") if m.strip()]
@@ -213,9 +263,8 @@ def cmd_bench(args) -> None:
         "methods": methods, "questions": [q.id for q in questions], "max new tokens": args.max_new_tokens,
         "sampling": [sampling.temperature, sampling.top_p, sampling.resolved_rule], "target": target.name,
         "dtype": args.dtype, "device": str(target.device)}
-    log = RunLog(out.with_name(out.name + ".runs"), settings)
     # a resume runs at the budgets its log recorded, not at what the tuner (or a lost cache) would choose now
-    budgets = log.budgets() if args.resume else resolved_budgets(target, methods)
+    log, out, questions, budgets = _bench_log(args, out, questions, settings, lambda: resolved_budgets(target, methods))
     log.settings["budgets"] = budgets
     runs = log.resume() if args.resume else {}
     if args.resume:
@@ -252,10 +301,12 @@ def cmd_bench(args) -> None:
     if results["interrupted"]:
         print(f"interrupted: kept the {len(results['per_prompt'])} prompts every method finished; "
               "the same command with --resume goes on from there")
+    elif args.part:
+        print(f"part {args.part} done: the command without --part, with --resume, takes it in")
     else:
         log.remove()
-    print(f"wrote {args.out}")
-    if args.update_cards and not results["interrupted"]:
+    print(f"wrote {out}")
+    if args.update_cards and not results["interrupted"] and not args.part:
         for folder in record_benchmark(results, args.out):
             print(f"updated {folder / 'card.json'}")
 

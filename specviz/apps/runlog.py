@@ -51,9 +51,13 @@ class RunLog:
     def __init__(self, path: Path, settings: dict):
         self.path, self.settings = path, settings
 
-    def start(self) -> None:
-        with self.path.open("wb") as f:
-            pickle.dump(self.settings, f)
+    def start(self, exclusive: bool = False) -> None:
+        """Write the settings (``exclusive``: unless another process has written this log first)."""
+        try:
+            with self.path.open("xb" if exclusive else "wb") as f:
+                pickle.dump(self.settings, f)
+        except FileExistsError:
+            pass
 
     def _read_settings(self, f) -> dict:
         try:
@@ -76,27 +80,69 @@ class RunLog:
         with self._open() as f:
             return self._read_settings(f).get("budgets", {})
 
-    def resume(self) -> dict[str, list[PromptRun]]:
-        runs: dict[str, list[PromptRun]] = {}
+    def check(self, settings: dict, but: tuple[str, ...] = (), source: Path | None = None) -> None:
+        """Refuse a logged run whose ``settings`` differ from this run's (but for the keys ``but``)."""
+        changed = sorted(k for k in settings.keys() | self.settings.keys()
+                         if k not in but and settings.get(k) != self.settings.get(k))
+        if changed:
+            raise SettingsError(f"{source or self.path} was a run with other {', '.join(changed)}; "
+                                "run without --resume to start again")
+
+    def on_file(self) -> tuple[dict, list[bytes]]:
+        """The settings and each whole prompt's compressed pickle, as the file holds them now."""
+        return self._prompts(truncate=False)
+
+    def _prompts(self, truncate: bool = True) -> tuple[dict, list[bytes]]:
+        """The settings and each whole prompt's compressed pickle; a torn last prompt is cut off the file."""
+        prompts = []
         with self._open() as f:
             settings = self._read_settings(f)
-            if settings != self.settings:
-                changed = sorted(k for k in settings.keys() | self.settings.keys()
-                                 if settings.get(k) != self.settings.get(k))
-                raise SettingsError(f"{self.path} was a run with other {', '.join(changed)}; "
-                                    "run without --resume to start again")
             good = f.tell()
             while True:
                 try:
-                    prompt = pickle.load(f)
+                    prompts.append(pickle.load(f))
                 except Exception:  # the end, or the prompt being written when the run was killed
                     break
-                for label, prompt_run in pickle.loads(lzma.decompress(prompt)).items():
-                    runs.setdefault(label, []).append(unpack(prompt_run))
                 good = f.tell()
-        with self.path.open("r+b") as f:
-            f.truncate(good)
+        if truncate:
+            with self.path.open("r+b") as f:
+                f.truncate(good)
+        return settings, prompts
+
+    def resume(self) -> dict[str, list[PromptRun]]:
+        settings, prompts = self._prompts()
+        self.check(settings)
+        runs: dict[str, list[PromptRun]] = {}
+        for prompt in prompts:
+            for label, prompt_run in pickle.loads(lzma.decompress(prompt)).items():
+                runs.setdefault(label, []).append(unpack(prompt_run))
         return runs
+
+    def absorb(self, parts: list[Path]) -> list[Path]:
+        """Append the prompts of finished part runs (``bench --part``) that carry on where this log stops, in
+        question order; returns the parts taken. A part must have this run's settings but for its questions."""
+        if not parts:
+            return []
+        settings, prompts = self._prompts()
+        self.check(settings)
+        questions, done, taken = self.settings["questions"], len(prompts), []
+        pending = {}
+        for path in parts:
+            part = RunLog(path, self.settings)
+            part_settings, part_prompts = part.on_file()  # a part still running is only read
+            part.check(part_settings, but=("questions",))
+            if len(part_prompts) == len(part_settings["questions"]):  # unfinished parts wait
+                pending[tuple(part_settings["questions"])] = (path, part_prompts)
+        while True:
+            nxt = next((k for k in pending if list(k) == questions[done : done + len(k)]), None)
+            if nxt is None:
+                return taken
+            path, part_prompts = pending.pop(nxt)
+            with self.path.open("ab") as f:
+                for prompt in part_prompts:
+                    pickle.dump(prompt, f)
+            done += len(nxt)
+            taken.append(path)
 
     def append(self, prompt: dict[str, PromptRun]) -> None:
         with self.path.open("ab") as f:
