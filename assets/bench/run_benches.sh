@@ -11,6 +11,8 @@
 # machine; their tokens/s are then not speed figures (the tuned steps run alone, on every core).
 # PART=K/N runs the K-th of N blocks of what a tau step has left (bench --part): CORE=0 PART=1/2 and
 # CORE=1 PART=2/2 side by side, then the step without PART takes both parts in and finishes.
+# A step unfinished when a session ends: stop it and commit its *.runs logs (a new checkout holds only what
+# landed, and ~/.cache may be gone); the step removes them when it completes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 TREE16=depth=4:top_k=4:total_tokens=16
