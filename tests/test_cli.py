@@ -139,6 +139,38 @@ def test_resume_needs_the_log_of_the_same_command(tiny_folder, tmp_path, monkeyp
     assert "other max new tokens" in capsys.readouterr().err
 
 
+def test_a_resume_on_another_machine_is_refused_unless_tau_only(tiny_folder, tmp_path, monkeypatch, capsys):
+    """Speed figures from two machines must not mix: the log names its machine; --any-machine lets a τ run go on."""
+    import specviz.apps.bench
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(2)))
+    out = tmp_path / "r.json"
+    command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
+               "--max-new-tokens", "6", "--out", str(out)]
+    real_run, calls = specviz.apps.bench.run, []
+
+    def killed_at_prompt_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2 + 2:  # warm-up (2 methods), then prompt 1
+            raise SystemExit("killed")
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(specviz.apps.bench, "machine_fingerprint", lambda: "CPU A (AVX2), 2 cores")
+    monkeypatch.setattr(specviz.apps.bench, "run", killed_at_prompt_2)
+    with pytest.raises(SystemExit):
+        main(command)
+    monkeypatch.setattr(specviz.apps.bench, "run", real_run)
+    monkeypatch.setattr(specviz.apps.bench, "machine_fingerprint", lambda: "CPU B (AVX512), 2 cores")
+    assert main([*command, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "ran on CPU A (AVX2), 2 cores, not on this machine (CPU B (AVX512), 2 cores)" in err
+    assert (tmp_path / "r.json.runs").exists()  # kept, not lost
+    assert main([*command, "--resume", "--any-machine"]) == 0
+    resumed = json.loads(out.read_text())
+    assert not resumed["interrupted"] and resumed["methods"]["ar"]["prompts"] == 2
+
+
 def test_a_resume_runs_at_the_budgets_its_log_recorded(tiny_folder, tmp_path, monkeypatch):
     """The tuner would choose otherwise now (a cache lost, say): the resumed prompts still run pld as the first did."""
     import pickle

@@ -8,7 +8,8 @@
 # eagle3-mtbench eagle3-humaneval (eagle3 beside hass at the same trees); redrafter-mtbench redrafter-humaneval
 # (ReDrafter at Medusa's node counts after prefix merging).
 # CORE=N pins the step to one core with one torch thread, so two tau-only steps can share a 2-core
-# machine; their tokens/s are then not speed figures (the tuned steps run alone, on every core).
+# machine; their tokens/s are then not speed figures (the tuned steps run alone, on every core). The tau steps
+# resume on any machine (--any-machine); a tuned step's log only resumes on the machine it started on.
 # PART=K/N runs the K-th of N blocks of what a tau step has left (bench --part): CORE=0 PART=1/2 and
 # CORE=1 PART=2/2 side by side, then the step without PART takes both parts in and finishes.
 # A step unfinished when a session ends: stop it and commit its *.runs logs (a new checkout holds only what
@@ -68,9 +69,9 @@ pinned() { if [ -n "${CORE:-}" ]; then env OMP_NUM_THREADS=1 taskset -c "$CORE" 
 
 for step in "$@"; do
   case $step in
-    trees-mtbench) run assets/bench/mtbench80_trees_cpu.json.xz --questions mt-bench --dtype float32 \
+    trees-mtbench) run assets/bench/mtbench80_trees_cpu.json.xz --any-machine --questions mt-bench --dtype float32 \
       --max-new-tokens 256 --methods "$TREES" --update-cards ;;
-    trees-humaneval) run assets/bench/humaneval40_trees_cpu.json.xz --questions humaneval --limit 40 \
+    trees-humaneval) run assets/bench/humaneval40_trees_cpu.json.xz --any-machine --questions humaneval --limit 40 \
       --dtype float32 --max-new-tokens 256 --methods "$TREES" --update-cards ;;
     tuned-fp32) run assets/bench/mtbench80_tuned_fp32_cpu.json.xz --questions mt-bench --dtype float32 \
       --max-new-tokens 256 --methods "$TUNED" ;;
@@ -81,13 +82,13 @@ for step in "$@"; do
       pinned python3 -m specviz train --drafter eagle3 --samples all --prompts all --max-prompt-tokens 512 \
         --answer-tokens 256 --epochs 2 \
         --feature-dtype bfloat16 --distill-dtype bfloat16 --precision bf16 --resume --ship ;;
-    eagle3-mtbench) run assets/bench/mtbench80_eagle3_cpu.json.xz --questions mt-bench --dtype float32 \
+    eagle3-mtbench) run assets/bench/mtbench80_eagle3_cpu.json.xz --any-machine --questions mt-bench --dtype float32 \
       --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
-    eagle3-humaneval) run assets/bench/humaneval40_eagle3_cpu.json.xz --questions humaneval --limit 40 \
+    eagle3-humaneval) run assets/bench/humaneval40_eagle3_cpu.json.xz --any-machine --questions humaneval --limit 40 \
       --dtype float32 --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
-    redrafter-mtbench) run assets/bench/mtbench80_redrafter_nodes_cpu.json.xz --questions mt-bench \
+    redrafter-mtbench) run assets/bench/mtbench80_redrafter_nodes_cpu.json.xz --any-machine --questions mt-bench \
       --dtype float32 --max-new-tokens 256 --methods "$REDRAFTER" ;;
-    redrafter-humaneval) run assets/bench/humaneval40_redrafter_nodes_cpu.json.xz --questions humaneval --limit 40 \
+    redrafter-humaneval) run assets/bench/humaneval40_redrafter_nodes_cpu.json.xz --any-machine --questions humaneval --limit 40 \
       --dtype float32 --max-new-tokens 256 --methods "$REDRAFTER" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
   esac

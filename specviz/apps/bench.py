@@ -241,6 +241,19 @@ def machine_description() -> str:
             f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 
+def machine_fingerprint() -> str:
+    """What speed depends on, without the thread count (a pinned part and the full run share one machine)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        names = {line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")}
+    except OSError:
+        names = set()
+    model = ", ".join(sorted(names)) or platform.processor() or platform.machine()
+    return f"{model} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores"
+
+
 def save_results(path: Path, results: dict) -> None:
     """Write ``results`` as JSON, xz-compressed when ``path`` ends in ``.xz``; atomically, so a kill mid-write
     leaves the previous version."""

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--part", default=None, metavar="K/N",
                    help="run the K-th of N blocks of the questions not yet done, in a log of its own (one process "
                         "per core); the command without --part, with --resume, takes the finished parts in")
+    b.add_argument("--any-machine", action="store_true",
+                   help="let --resume continue a log from another machine (τ-only runs: the speed figures mix)")
 
     pr = sub.add_parser("profile", help="verify-cost curve: ms per target forward vs tokens verified")
     pr.add_argument("--target", default=None)
@@ -209,13 +211,14 @@ def _bench_log(args, out: Path, questions: list, settings: dict, resolve: Callab
     can run one process per core."""
     from .runlog import RunLog
 
-    log = RunLog(out.with_name(out.name + ".runs"), settings)
+    ignore = ("machine",) if args.any_machine else ()
+    log = RunLog(out.with_name(out.name + ".runs"), settings, ignore)
     if not args.part:
         if not args.resume:
             return log, out, questions, resolve()
         parts = sorted(out.parent.glob(f"{glob.escape(out.name)}.part*-of-*.runs"))
         if parts and not log.path.exists():  # only parts ran: their budgets are the run's
-            first = RunLog(parts[0], settings).on_file()[0]
+            first = RunLog(parts[0], settings, ignore).on_file()[0]
             log.check(first, but=("questions", "budgets"), source=parts[0])
             log.settings["budgets"] = first["budgets"]
             log.start()
@@ -231,7 +234,7 @@ def _bench_log(args, out: Path, questions: list, settings: dict, resolve: Callab
     except (ValueError, AssertionError):
         raise SpecvizError(f"--part takes K/N with 1 <= K <= N, got {args.part!r}") from None
     out = out.with_name(f"{out.name}.part{k}-of-{n}")
-    part = RunLog(out.with_name(out.name + ".runs"), dict(settings))
+    part = RunLog(out.with_name(out.name + ".runs"), dict(settings), ignore)
     if args.resume:  # this part's own questions, however far the full run has got since
         ids = set(part.on_file()[0]["questions"])
         block, budgets = [q for q in questions if q.id in ids], part.budgets()
@@ -251,7 +254,7 @@ def _bench_log(args, out: Path, questions: list, settings: dict, resolve: Callab
 def cmd_bench(args) -> None:
     from specviz.core.load import load_target
 
-    from .bench import bench, exactness_text, record_benchmark, resolved_budgets, save_results
+    from .bench import bench, exactness_text, machine_fingerprint, record_benchmark, resolved_budgets, save_results
     from .questions import load_questions
 
     sampling = _sampling(args)
@@ -262,7 +265,7 @@ def cmd_bench(args) -> None:
     settings = {
         "methods": methods, "questions": [q.id for q in questions], "max new tokens": args.max_new_tokens,
         "sampling": [sampling.temperature, sampling.top_p, sampling.resolved_rule], "target": target.name,
-        "dtype": args.dtype, "device": str(target.device)}
+        "dtype": args.dtype, "device": str(target.device), "machine": machine_fingerprint()}
     # a resume runs at the budgets its log recorded, not at what the tuner (or a lost cache) would choose now
     log, out, questions, budgets = _bench_log(args, out, questions, settings, lambda: resolved_budgets(target, methods))
     log.settings["budgets"] = budgets

@@ -48,8 +48,8 @@ class RunLog:
     """The file holds the run's settings, then one compressed pickle per finished prompt; a prompt cut short by
     the kill is dropped on loading. Only load logs this program wrote: pickle runs code from the file."""
 
-    def __init__(self, path: Path, settings: dict):
-        self.path, self.settings = path, settings
+    def __init__(self, path: Path, settings: dict, ignore: tuple[str, ...] = ()):
+        self.path, self.settings, self.ignore = path, settings, ignore  # ignore: settings a resume may change
 
     def start(self, exclusive: bool = False) -> None:
         """Write the settings (``exclusive``: unless another process has written this log first)."""
@@ -67,6 +67,8 @@ class RunLog:
         if "budgets" in settings:  # logs before 2026-11-25 kept each budget's settings alone
             settings["budgets"] = {label: b if "settings" in b else {"settings": b}
                                    for label, b in settings["budgets"].items()}
+        if "machine" in self.settings:  # logs before 2026-11-25 did not name their machine
+            settings.setdefault("machine", self.settings["machine"])
         return settings
 
     def _open(self):
@@ -83,7 +85,11 @@ class RunLog:
     def check(self, settings: dict, but: tuple[str, ...] = (), source: Path | None = None) -> None:
         """Refuse a logged run whose ``settings`` differ from this run's (but for the keys ``but``)."""
         changed = sorted(k for k in settings.keys() | self.settings.keys()
-                         if k not in but and settings.get(k) != self.settings.get(k))
+                         if k not in but + self.ignore and settings.get(k) != self.settings.get(k))
+        if changed == ["machine"]:
+            raise SettingsError(f"{source or self.path} ran on {settings.get('machine')}, not on this machine "
+                                f"({self.settings.get('machine')}): its speed figures would mix machines; run "
+                                "without --resume to start again, or with --any-machine for a τ-only run")
         if changed:
             raise SettingsError(f"{source or self.path} was a run with other {', '.join(changed)}; "
                                 "run without --resume to start again")
@@ -128,7 +134,7 @@ class RunLog:
         questions, done, taken = self.settings["questions"], len(prompts), []
         pending = {}
         for path in parts:
-            part = RunLog(path, self.settings)
+            part = RunLog(path, self.settings, self.ignore)
             part_settings, part_prompts = part.on_file()  # a part still running is only read
             part.check(part_settings, but=("questions",))
             if len(part_prompts) == len(part_settings["questions"]):  # unfinished parts wait
