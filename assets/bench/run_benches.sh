@@ -81,7 +81,7 @@ for step in "$@"; do
       keep_state & trap "kill $! 2>/dev/null" EXIT
       pinned python3 -m specviz train --drafter eagle3 --samples all --prompts all --max-prompt-tokens 512 \
         --answer-tokens 256 --epochs 2 \
-        --feature-dtype bfloat16 --distill-dtype bfloat16 --precision bf16 --resume --ship ;;
+        --feature-dtype bfloat16 --distill-dtype bfloat16 --precision bf16 --save-every 25 --resume --ship ;;
     eagle3-mtbench) run assets/bench/mtbench80_eagle3_cpu.json.xz --any-machine --questions mt-bench --dtype float32 \
       --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
     eagle3-humaneval) run assets/bench/humaneval40_eagle3_cpu.json.xz --any-machine --questions humaneval --limit 40 \
