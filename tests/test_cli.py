@@ -3,6 +3,7 @@
 import json
 import lzma
 import re
+from pathlib import Path
 
 import pytest
 import transformers
@@ -83,6 +84,32 @@ def test_bench_saves_each_finished_prompt_before_the_run_ends(tiny_folder, tmp_p
     assert saved["methods"]["pld"]["prompts"] == 2 and saved["questions"] == str(questions)
 
 
+def _count_bench(tiny_folder: str, tmp_path: Path, prompts: int) -> tuple[Path, list[str]]:
+    """A bench of ar and pld over ``prompts`` short questions, writing to the returned path (``--out`` last)."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(prompts)))
+    out = tmp_path / "r.json"
+    return out, ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
+                 "--max-new-tokens", "6", "--out", str(out)]
+
+
+def _kill_bench_after(monkeypatch, runs: int) -> list:
+    """Make the bench's ``run`` raise SystemExit after ``runs`` calls; returns the list that counts them."""
+    import specviz.apps.bench
+
+    real_run, calls = getattr(specviz.apps.bench.run, "real", specviz.apps.bench.run), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > runs:
+            raise SystemExit("killed")
+        return real_run(*args, **kwargs)
+
+    counted.real = real_run
+    monkeypatch.setattr(specviz.apps.bench, "run", counted)
+    return calls
+
+
 def test_a_killed_bench_resumes_where_it_stopped(tiny_folder, tmp_path, monkeypatch):
     """Killed at prompt 3 of 3, then --resume: only prompt 3 runs, and the results equal an unbroken run's."""
     import specviz.apps.bench
@@ -143,24 +170,12 @@ def test_a_resume_on_another_machine_is_refused_unless_tau_only(tiny_folder, tmp
     """Speed figures from two machines must not mix: the log names its machine; --any-machine lets a τ run go on."""
     import specviz.apps.bench
 
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(2)))
-    out = tmp_path / "r.json"
-    command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
-               "--max-new-tokens", "6", "--out", str(out)]
-    real_run, calls = specviz.apps.bench.run, []
-
-    def killed_at_prompt_2(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > 2 + 2:  # warm-up (2 methods), then prompt 1
-            raise SystemExit("killed")
-        return real_run(*args, **kwargs)
-
+    out, command = _count_bench(tiny_folder, tmp_path, 2)
     monkeypatch.setattr(specviz.apps.bench, "machine_fingerprint", lambda: "CPU A (AVX2), 2 cores")
-    monkeypatch.setattr(specviz.apps.bench, "run", killed_at_prompt_2)
+    _kill_bench_after(monkeypatch, 2 + 2)  # warm-up (2 methods), then prompt 1
     with pytest.raises(SystemExit):
         main(command)
-    monkeypatch.setattr(specviz.apps.bench, "run", real_run)
+    _kill_bench_after(monkeypatch, 10**6)
     monkeypatch.setattr(specviz.apps.bench, "machine_fingerprint", lambda: "CPU B (AVX512), 2 cores")
     assert main([*command, "--resume"]) == 2
     err = capsys.readouterr().err
@@ -178,11 +193,7 @@ def test_a_resume_runs_at_the_budgets_its_log_recorded(tiny_folder, tmp_path, mo
     import specviz.apps.bench
     import specviz.apps.tuning
 
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(2)))
-    out = tmp_path / "r.json"
-    command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
-               "--max-new-tokens", "6", "--out", str(out)]
+    out, command = _count_bench(tiny_folder, tmp_path, 2)
     real_run, real_resolve, ran = specviz.apps.bench.run, specviz.apps.tuning.resolve, []
 
     def killed_at_prompt_2(target, drafter, *args, **kwargs):
@@ -224,40 +235,23 @@ def test_a_resume_runs_at_the_budgets_its_log_recorded(tiny_folder, tmp_path, mo
 def test_a_bench_in_parts_equals_one_run(tiny_folder, tmp_path, monkeypatch, capsys):
     """A run killed after prompt 1, its other 4 prompts as --part 1/2 and 2/2 (the second killed and resumed),
     then the full command with --resume: it takes both parts in, runs nothing more, and equals an unbroken run."""
-    import specviz.apps.bench
-
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(5)))
-    out = tmp_path / "r.json"
-    command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
-               "--max-new-tokens", "6", "--out", str(out)]
-    real_run, calls = specviz.apps.bench.run, []
-
-    def killed_after(n):
-        def counted(*args, **kwargs):
-            calls.append(1)
-            if len(calls) > n:
-                raise SystemExit("killed")
-            return real_run(*args, **kwargs)
-        calls.clear()
-        monkeypatch.setattr(specviz.apps.bench, "run", counted)
-
-    killed_after(2 + 2)  # warm-up, then prompt 1
+    out, command = _count_bench(tiny_folder, tmp_path, 5)
+    _kill_bench_after(monkeypatch, 2 + 2)  # warm-up, then prompt 1
     with pytest.raises(SystemExit):
         main(command)
-    killed_after(10**6)
+    _kill_bench_after(monkeypatch, 10**6)
     assert main([*command, "--part", "1/2"]) == 0
-    killed_after(2 + 2)  # part 2 of 2 (prompts 4-5), killed after prompt 4
+    _kill_bench_after(monkeypatch, 2 + 2)  # part 2 of 2 (prompts 4-5), killed after prompt 4
     with pytest.raises(SystemExit):
         main([*command, "--part", "2/2"])
     part2 = tmp_path / "r.json.part2-of-2.runs"
     assert json.loads((tmp_path / "r.json.part2-of-2").read_text())["per_prompt"][0]["id"] == "3"
-    killed_after(10**6)
+    calls = _kill_bench_after(monkeypatch, 10**6)
     assert main([*command, "--part", "2/2", "--resume"]) == 0
     assert len(calls) == 2 + 2  # warm-up, then prompt 5 only
     assert main([*command, "--part", "3/2"]) == 2 and "--part takes K/N" in capsys.readouterr().err
 
-    calls.clear()
+    calls = _kill_bench_after(monkeypatch, 10**6)
     assert main([*command, "--resume"]) == 0
     assert not calls  # every prompt came from the log and its parts: not even a warm-up runs
     assert "took in r.json.part1-of-2.runs" in capsys.readouterr().out
