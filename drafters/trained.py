@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specviz.core.packing import pack_linears
 from specviz.core.protocol import Commit, Drafter
 
 from .checkpoint import CheckpointError, load_checkpoint
@@ -24,6 +25,9 @@ class TrainedDrafter(Drafter):
         self.settings = settings
         state, self.card = load_checkpoint(settings.checkpoint, self.name, target)
         self.net, self.frozen = self.restore(target, state)
+        if getattr(target, "packed_linears", 0):  # decoding only: a network that trains must not be packed
+            pack_linears(self.net)
+            self.frozen.pack()
         self.device, self.dtype = target.device, target.dtype
         self.hidden_size = target.config.hidden_size
         self.check_settings(settings)

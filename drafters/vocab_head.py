@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from specviz.core.packing import linear, pack
+
 
 def draft_vocabulary(tokens: torch.Tensor, size: int, vocab_size: int, always=()) -> torch.Tensor:
     """The ``size`` most frequent ids in ``tokens`` (plus ``always``), sorted; size 0 = everything."""
@@ -29,9 +31,14 @@ class FrozenTarget:
         self.vocab_map = vocab_map.long().to(target.device)
         head = model.get_output_embeddings().weight.detach()[self.vocab_map]
         self.head = head.to(target.dtype).clone()  # [V', H], in the drafter's dtype
+        self.packed_head: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Decode on a packed copy of the head (``core.packing``); the head is frozen, so it never goes stale."""
+        self.packed_head = pack(self.head)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding(tokens).detach()
 
     def logits(self, head_in: torch.Tensor) -> torch.Tensor:
-        return head_in @ self.head.T.to(head_in.dtype)  # a no-op cast unless training under autocast
+        return linear(head_in, self.head.to(head_in.dtype), packed=self.packed_head)  # the cast: training autocast

@@ -179,8 +179,11 @@ def test_a_resume_on_another_machine_is_refused_unless_tau_only(tiny_folder, tmp
     monkeypatch.setattr(specviz.apps.bench, "machine_fingerprint", lambda: "CPU B (AVX512), 2 cores")
     assert main([*command, "--resume"]) == 2
     err = capsys.readouterr().err
-    assert "ran on CPU A (AVX2), 2 cores, not on this machine (CPU B (AVX512), 2 cores)" in err
+    assert "ran on CPU A (AVX2), 2 cores; packed linear weights, not on this machine (CPU B (AVX512), 2 cores" in err
     assert (tmp_path / "r.json.runs").exists()  # kept, not lost
+    monkeypatch.setattr(specviz.apps.bench, "machine_fingerprint", lambda: "CPU A (AVX2), 2 cores")
+    assert main([*command, "--resume", "--no-pack"]) == 2  # other kernels: other speeds, as on another machine
+    assert "not on this machine (CPU A (AVX2), 2 cores)" in capsys.readouterr().err
     assert main([*command, "--resume", "--any-machine"]) == 0
     resumed = json.loads(out.read_text())
     assert not resumed["interrupted"] and resumed["methods"]["ar"]["prompts"] == 2

@@ -2,7 +2,8 @@
 # The README's judged benches, each resumable: a step whose output says it is complete is skipped, a
 # killed one goes on with --resume from its .runs log (kept beside the output, in the work tree).
 #   bash assets/bench/run_benches.sh STEP [STEP ...]
-# Steps: trees-mtbench trees-humaneval (tau at the shared trees, fp32) tuned-fp32 tuned-auto (speed);
+# Steps: trees-mtbench trees-humaneval (tau at the shared trees, fp32) tuned-fp32 tuned-auto (speed, packed
+# linear weights) tuned-fp32-default (speed on PyTorch's default linear kernels);
 # eagle3-train (2 epochs on the shared sequences and budget, resumable, shipped when done; its saves are
 # mirrored in .train-state/ for a lost cache), then
 # eagle3-mtbench eagle3-humaneval (eagle3 beside hass at the same trees); redrafter-mtbench redrafter-humaneval
@@ -75,6 +76,8 @@ for step in "$@"; do
       --dtype float32 --max-new-tokens 256 --methods "$TREES" --update-cards ;;
     tuned-fp32) run assets/bench/mtbench80_tuned_fp32_cpu.json.xz --questions mt-bench --dtype float32 \
       --max-new-tokens 256 --methods "$TUNED" ;;
+    tuned-fp32-default) run assets/bench/mtbench80_tuned_fp32_default_kernels_cpu.json.xz --questions mt-bench \
+      --dtype float32 --max-new-tokens 256 --methods "$TUNED" --no-pack ;;
     tuned-auto) run assets/bench/mtbench80_tuned_auto_cpu.json.xz --questions mt-bench --dtype auto \
       --max-new-tokens 256 --methods "$TUNED" ;;
     eagle3-train) [ -f assets/drafters/eagle3/card.json ] && { echo "done: eagle3 is shipped"; continue; }

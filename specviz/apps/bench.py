@@ -25,6 +25,7 @@ from specviz.core import xzfile
 from specviz.core.engine import StepRecord, run
 from specviz.core.errors import SettingsError
 from specviz.core.metrics import TIE_TOLERANCE, compare, decode_steps, divergence, extra_memory_pct, token_margins
+from specviz.core.packing import unpacked
 from specviz.core.target import TargetModel
 from specviz.core.timing import now
 from specviz.core.verify import Sampling
@@ -53,7 +54,7 @@ def _hf_runner(target: TargetModel, max_new_tokens: int, sampling: Sampling, ext
 
     def go(ids: list[int]) -> PromptRun:
         start = now(target.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), unpacked(target.model):
             out = target.model.generate(torch.tensor([ids], device=target.device), **kwargs)
         wall = now(target.device) - start
         return PromptRun(out[0, len(ids):].tolist(), wall)
@@ -181,6 +182,7 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
                          "lossless": sampling.lossless},
             "date": time.strftime("%Y-%m-%d"),
             "machine": machine_description(),
+            "linear_kernels": target.kernels,  # hf runs on the default ones: transformers as its users get it
             "verify_padding": {shape: {str(n): m for n, m in pad.items()} for shape, pad in target.padding.items()},
             "cores_used": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "interrupted": interrupted,

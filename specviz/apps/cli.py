@@ -22,11 +22,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bf16 on CUDA and on CPUs fast at it (AMX, AVX-512 BF16), else float32 (exact)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    _kernels_arg(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--rule", default="auto", choices=["auto", *RULES], help="acceptance rule (typical is lossy)")
     p.add_argument("--seed", type=int, default=None)
+
+
+def _kernels_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-pack", action="store_true",
+                   help="on the CPU, run the target's linear layers on PyTorch's default kernels instead of "
+                        "packed oneDNN weights (slower; for comparison)")
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--target", default=None)
     pr.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     pr.add_argument("--device", default=None)
+    _kernels_arg(pr)
     pr.add_argument("--context", type=int, default=256)
     pr.add_argument("--max-size", type=int, default=64)
     pr.add_argument("--repeats", type=int, default=7)
@@ -133,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--target", default=None)
     tu.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     tu.add_argument("--device", default=None)
+    _kernels_arg(tu)
     tu.add_argument("--methods", default="all", help="comma-separated, or all")
     tu.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
 
@@ -176,7 +185,7 @@ def cmd_generate(args) -> None:
     if not args.prompt.strip():
         raise SpecvizError("the prompt is empty")
     name, settings = parse_method(args.method)
-    target = load_target(args.target, args.dtype, args.device)
+    target = load_target(args.target, args.dtype, args.device, pack=not args.no_pack)
     settings, tuned = resolve(target, name, settings)
     if tuned is not None:
         print(f"budget for this machine: {tuned.describe()}", flush=True)
@@ -260,12 +269,13 @@ def cmd_bench(args) -> None:
     sampling = _sampling(args)
     methods = [m for m in args.methods.split(",") if m.strip()]
     questions = load_questions(args.questions, args.limit, args.per_category)
-    target = load_target(args.target, args.dtype, args.device)
+    target = load_target(args.target, args.dtype, args.device, pack=not args.no_pack)
     out = Path(args.out)
     settings = {
         "methods": methods, "questions": [q.id for q in questions], "max new tokens": args.max_new_tokens,
         "sampling": [sampling.temperature, sampling.top_p, sampling.resolved_rule], "target": target.name,
-        "dtype": args.dtype, "device": str(target.device), "machine": machine_fingerprint()}
+        "dtype": args.dtype, "device": str(target.device), "machine": machine_fingerprint()
+        + ("" if target.kernels == "default" else "; packed linear weights")}  # kernels change speed as a machine does
     # a resume runs at the budgets its log recorded, not at what the tuner (or a lost cache) would choose now
     log, out, questions, budgets = _bench_log(args, out, questions, settings, lambda: resolved_budgets(target, methods))
     log.settings["budgets"] = budgets
@@ -322,7 +332,7 @@ def cmd_profile(args) -> None:
     sizes = [1]
     while sizes[-1] * 2 <= args.max_size:
         sizes.append(sizes[-1] * 2)
-    target = load_target(args.target, args.dtype, args.device)
+    target = load_target(args.target, args.dtype, args.device, pack=not args.no_pack)
     result = profile(target, args.context, sizes, args.repeats, tree=args.tree)
     print(f"verify cost of a {result['shape']} on {result['machine']} ({result['dtype']}, "
           f"{args.context} cached tokens):")
@@ -375,7 +385,9 @@ def cmd_report(args) -> None:
     results = load_results(Path(args.results))
     print(f"{results.get('questions', '?')}, {len(results['per_prompt'])} prompts, "
           f"{results['max_new_tokens']} new tokens, "
-          f"{results['dtype']}, {results['sampling']['rule']}; {results['machine']}, {results['date']}\n")
+          f"{results['dtype']}, {results['sampling']['rule']}; {results['machine']}, {results['date']}"
+          + (f"; linear layers on {results['linear_kernels']} kernels (`hf` on the default ones)"
+             if results.get("linear_kernels", "default") != "default" else "") + "\n")
     print(markdown_table(results))
     budgets = budget_table(results)
     if budgets:
@@ -509,7 +521,7 @@ def cmd_sweep(args) -> None:
         temperatures = [float(t) for t in args.temperatures.split(",")]
     except ValueError:
         raise SpecvizError(f"--temperatures must be numbers separated by commas, got {args.temperatures!r}") from None
-    target = load_target(args.target, args.dtype, args.device)
+    target = load_target(args.target, args.dtype, args.device, pack=not args.no_pack)
     questions = load_questions(args.questions, per_category=args.per_category)
     rows = []
     for rows in sweep(target, args.methods.split(","), questions, temperatures, args.rules.split(","),
@@ -528,7 +540,7 @@ def cmd_tune(args) -> None:
 
     from .tuning import machine_costs, tune
 
-    target = load_target(args.target, args.dtype, args.device)
+    target = load_target(args.target, args.dtype, args.device, pack=not args.no_pack)
     names = list(METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     for name in names:
         if name not in METHODS:

@@ -75,7 +75,8 @@ class Tuned:
 def machine_key(target: TargetModel) -> str:
     on_cpu = target.device.type == "cpu"
     cpu = [cpuinfo("model name"), sorted(cpu_flags() & {"amx_bf16", "avx512_bf16", "avx2"})] if on_cpu else []
-    facts = [machine_description(), *cpu, target.name, str(target.dtype), str(target.device), target.num_parameters]
+    facts = [machine_description(), *cpu, target.name, str(target.dtype), str(target.device), target.num_parameters,
+             target.kernels]
     return hashlib.sha1(json.dumps(facts, default=str).encode()).hexdigest()[:12]
 
 

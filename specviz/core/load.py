@@ -126,6 +126,7 @@ def load_causal_lm(spec: str | None, dtype="float32", device: str | None = None)
     return model.to(device).eval(), tokenizer
 
 
-def load_target(spec: str | None = None, dtype="float32", device: str | None = None) -> TargetModel:
+def load_target(spec: str | None = None, dtype="float32", device: str | None = None, pack: bool = True) -> TargetModel:
+    """The target, on packed oneDNN linear weights when it runs on the CPU and ``pack`` (``core.packing``)."""
     model, tokenizer = load_causal_lm(spec, dtype, device)
-    return TargetModel(model, tokenizer, name=spec or EMBEDDED)
+    return TargetModel(model, tokenizer, name=spec or EMBEDDED, pack=pack)

@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from .errors import SpecvizError
+from .packing import pack_linears
 from .tree import DraftTree
 
 
@@ -69,9 +70,10 @@ def fp32_head(model: torch.nn.Module) -> bool:
 class TargetModel:
     """Wraps a causal LM for one sequence at a time (batch size 1); each decode brings its own cache.
 
-    A bf16/fp16 model runs its final norm and LM head in fp32 (``fp32_head``)."""
+    A bf16/fp16 model runs its final norm and LM head in fp32 (``fp32_head``). With ``pack``, a CPU model's
+    linear layers run on packed oneDNN weights (``core.packing``)."""
 
-    def __init__(self, model, tokenizer=None, name: str = "target"):
+    def __init__(self, model, tokenizer=None, name: str = "target", pack: bool = False):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -84,6 +86,7 @@ class TargetModel:
         self.body_dtype = next(model.parameters()).dtype
         if self.body_dtype != torch.float32:
             fp32_head(model)
+        self.packed_linears = pack_linears(model) if pack else 0  # after fp32_head: it replaces the head's weight
         norm = final_norm(model)
         self._hooked = norm is not None
         if norm is not None:
@@ -98,6 +101,11 @@ class TargetModel:
     def dtype(self) -> torch.dtype:
         """The body's dtype (the one drafters run in); the final norm and head may be fp32."""
         return self.body_dtype
+
+    @property
+    def kernels(self) -> str:
+        """Which linear kernels the target runs on (speed depends on it)."""
+        return f"oneDNN packed ({self.packed_linears} layers)" if self.packed_linears else "default"
 
     @property
     def vocab_size(self) -> int:
