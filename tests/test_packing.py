@@ -58,7 +58,7 @@ def test_autograd_and_autocast_fall_back_to_the_dense_weight():
 
 
 @pytest.mark.parametrize("method,settings", [("ar", {}), ("pld", {}), ("lookahead", dict(window=4, ngram=3, guesses=4)),
-                                             ("skip", dict(layers=2, num_tokens=3))], ids=lambda v: str(v))
+                                             ("skip", dict(layers=2, num_tokens=3))], ids=str)
 def test_packed_target_decodes_as_the_default_one(method, settings, tiny_llama):
     """Greedy output of every method on the packed target is the unpacked target's AR output."""
     plain = TargetModel(tiny_llama(VOCAB, seed=0, num_layers=4))

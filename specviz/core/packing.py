@@ -70,12 +70,6 @@ def pack_linears(model: torch.nn.Module) -> int:
     return count
 
 
-def unpack_linears(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if hasattr(module, _ATTR):
-            del module.forward, module._specviz_packed
-
-
 @contextlib.contextmanager
 def unpacked(model: torch.nn.Module):
     """Run ``model`` on the default kernels inside the block (transformers' ``generate`` as users get it)."""
