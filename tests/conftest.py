@@ -127,6 +127,8 @@ def chi2_pvalue(counts: dict, expected: dict) -> float:
 def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: int = 3, seed: int = 0) -> Path:
     """Train ``method`` for ``target`` through the real pipeline on its own greedy continuations
     of random prompts (a few seconds), save the checkpoint in ``folder`` and return it."""
+    from accelerate.state import AcceleratorState
+
     from drafters import METHODS
     from drafters.corpus import extract_features, self_distill
     from drafters.train import TrainConfig, train
@@ -139,5 +141,7 @@ def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: i
     data = extract_features(target, [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers)])
     cfg = TrainConfig(epochs=epochs, batch_tokens=256, lr=3e-3, draft_vocab=max(2, vocab * 3 // 4), seed=seed,
                       device=str(target.device))  # a target on a GPU trains its drafter there
+    # accelerate keeps one device per process; this one trains on the CPU and on a GPU (found on a lent H200)
+    AcceleratorState._reset_state(reset_partial_state=True)
     train(METHODS[method][0], target, data, data, cfg, {"source": "random prompts, self-distilled"}, out=folder)
     return folder

@@ -466,6 +466,30 @@ def test_run_log_keeps_finished_prompts_and_drops_a_torn_one(tmp_path):
         RunLog(path, {"methods": ["ar"], "max new tokens": 16}).resume()
 
 
+def test_parts_started_together_share_the_first_log_written_whole(tmp_path, monkeypatch):
+    """Two `bench --part` processes start at once: the log appears whole under its name (a part that finds it
+    never reads it half-written, as one did on 2026-11-26), and the second keeps the first's settings."""
+    import os
+    import pickle
+
+    from specviz.apps.runlog import RunLog
+
+    path = tmp_path / "r.json.runs"
+    seen = []
+    real_link = os.link
+
+    def link(src, dst):  # what a racing process would find at this instant
+        seen.append(Path(dst).exists())
+        assert pickle.loads(Path(src).read_bytes())["methods"] == ["ar"]  # whole before it is named
+        real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", link)
+    RunLog(path, {"methods": ["ar"], "budgets": {"a": 1}}).start(exclusive=True)
+    RunLog(path, {"methods": ["ar"], "budgets": {"a": 2}}).start(exclusive=True)
+    assert seen == [False, True] and list(tmp_path.iterdir()) == [path]
+    assert pickle.loads(path.read_bytes())["budgets"] == {"a": 1}
+
+
 def test_the_run_log_keeps_what_the_figures_read_and_drops_the_rest(tmp_path, tiny_target):
     import torch
 

@@ -21,7 +21,7 @@ cd "$(dirname "$0")/../.."
 SCRATCH=${LEASE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/specviz-lease}  # kept between the calls of one lease
 SITE=$SCRATCH/site GGUF=$SCRATCH/gguf/SmolLM2-135M-Instruct.gguf LOGS=$SCRATCH/logs
 export PYTHONPATH="$SITE:$PWD" SPECVIZ_GGUF=$GGUF SPECVIZ_CACHE=$SCRATCH/cache PYTHONUNBUFFERED=1
-EAGLE3=(--drafter eagle3 --samples all --prompts all --epochs 2 --device cuda --precision bf16
+EAGLE3=(--drafter eagle3 --samples all --prompts all --max-prompt-tokens 512 --answer-tokens 256 --epochs 2 --device cuda --precision bf16
         --feature-dtype bfloat16 --distill-dtype bfloat16 --save-every 100)
 
 case ${1:-} in

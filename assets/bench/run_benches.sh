@@ -6,7 +6,7 @@
 # linear weights) tuned-fp32-default (speed on PyTorch's default linear kernels);
 # eagle3-train (2 epochs on the shared sequences and budget, resumable, shipped when done; its saves are
 # mirrored in .train-state/ for a lost cache), then
-# eagle3-mtbench eagle3-humaneval (eagle3 beside hass at the same trees); redrafter-mtbench redrafter-humaneval
+# eagle3-mtbench eagle3-humaneval (eagle3 at the trees hass was benched at); redrafter-mtbench redrafter-humaneval
 # (ReDrafter at Medusa's node counts after prefix merging).
 # CORE=N pins the step to one core with one torch thread, so two tau-only steps can share a 2-core
 # machine; their tokens/s are then not speed figures (the tuned steps run alone, on every core). The tau steps
@@ -28,7 +28,8 @@ TUNED="ar,hf,pld,lookahead,skip,eagle2,hass,fspad,medusa,redrafter,semi-attn,sem
 # prompts); these widths compare it with Medusa's 16- and 60-node trees at equal verified nodes.
 REDRAFTER="ar,medusa:preset=paper,medusa:heads=4:top_k=8:total_tokens=60,redrafter:width=7:length=4,\
 redrafter:width=28:length=4"
-EAGLE3="ar,hass:preset=paper,hass:$TREE16,eagle3:preset=paper,eagle3:$TREE16"
+# HASS at these two trees is in the trees-* results (same questions, fp32, greedy): not run twice.
+EAGLE3="ar,eagle3:preset=paper,eagle3:$TREE16"
 
 run() {  # OUT, then bench arguments
   local out=$1; shift

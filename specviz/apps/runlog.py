@@ -5,6 +5,7 @@ prompt of 16 methods takes about 100 kB."""
 from __future__ import annotations
 
 import lzma
+import os
 import pickle
 from dataclasses import astuple
 from pathlib import Path
@@ -52,12 +53,20 @@ class RunLog:
         self.path, self.settings, self.ignore = path, settings, ignore  # ignore: settings a resume may change
 
     def start(self, exclusive: bool = False) -> None:
-        """Write the settings (``exclusive``: unless another process has written this log first)."""
-        try:
-            with self.path.open("xb" if exclusive else "wb") as f:
+        """Write the settings (``exclusive``: unless another process has written this log first; the log
+        appears whole, so a process that finds it never reads it half-written)."""
+        if not exclusive:
+            with self.path.open("wb") as f:
                 pickle.dump(self.settings, f)
+            return
+        draft = self.path.with_name(f"{self.path.name}.{os.getpid()}.new")
+        draft.write_bytes(pickle.dumps(self.settings))
+        try:
+            os.link(draft, self.path)
         except FileExistsError:
             pass
+        finally:
+            draft.unlink()
 
     def _read_settings(self, f) -> dict:
         try:
