@@ -412,6 +412,25 @@ def test_report_renders_a_bench_file(tiny_folder, tmp_path, capsys):
     assert "no results file" in capsys.readouterr().err
 
 
+def test_report_merges_runs_of_the_same_prompts_and_refuses_others(tiny_folder, tmp_path, capsys):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Count: one two one two"]}))
+    files = {}
+    for name, methods, tokens in (("a", "pld", 6), ("b", "lookahead", 6), ("c", "pld", 5)):
+        files[name] = tmp_path / f"{name}.json"
+        assert main(["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", methods,
+                     "--max-new-tokens", str(tokens), "--out", str(files[name])]) == 0
+    capsys.readouterr()
+    assert main(["report", str(files["a"]), str(files["b"])]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("merged from ") and table.count("| `ar` |") == 1  # the first run's AR only
+    assert "| `pld` |" in table and "| `lookahead` |" in table
+    row = re.search(r"\| Lookahead \(2024\): `lookahead` over `pld` .*", table).group(0)
+    assert row.split(" | ")[6] == "–"  # two runs' speeds are not compared
+    assert main(["report", str(files["a"]), str(files["c"])]) == 2
+    assert "another max_new_tokens (5) than" in capsys.readouterr().err
+
+
 def test_cards_name_results_files_without_machine_paths(tmp_path):
     from drafters.checkpoint import REPO, read_card
     from specviz.apps.bench import record_benchmark

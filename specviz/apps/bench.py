@@ -274,6 +274,34 @@ def load_results(path: Path) -> dict:
         raise SettingsError(f"{path} is not a bench results file ({e})") from None
 
 
+def merge_results(runs: list[dict], names: list[str]) -> dict:
+    """Bench results of several runs over the same prompts and settings as one (the first run's figures win
+    for a label two runs share). Each method keeps the number of the run it came from (``run``): speeds
+    compare only within one run."""
+    first = runs[0]
+    ids = sorted(p["id"] for p in first["per_prompt"])
+    merged = {**first, "methods": {}, "per_prompt": [{**p, "methods": dict(p["methods"])} for p in first["per_prompt"]]}
+    by_id = {p["id"]: p for p in merged["per_prompt"]}
+    for n, (results, name) in enumerate(zip(runs, names)):
+        for key in ("questions", "target", "max_new_tokens", "dtype", "sampling"):
+            if results.get(key) != first.get(key):
+                raise SettingsError(f"{name} has another {key} ({results.get(key)!r}) than {names[0]} "
+                                    f"({first.get(key)!r}): only runs of the same prompts and settings merge")
+        if sorted(p["id"] for p in results["per_prompt"]) != ids:
+            raise SettingsError(f"{name} ran other prompts than {names[0]}: only runs of the same prompts merge")
+        for label, figures in results["methods"].items():
+            if label in merged["methods"]:
+                continue
+            merged["methods"][label] = {**figures, "run": n}
+            for prompt in results["per_prompt"]:
+                by_id[prompt["id"]]["methods"][label] = prompt["methods"][label]
+    if len(runs) > 1:
+        merged.update(merged_from=names, interrupted=any(r.get("interrupted") for r in runs),
+                      machine=" + ".join(dict.fromkeys(r["machine"] for r in runs)),
+                      date=" + ".join(dict.fromkeys(r["date"] for r in runs)))
+    return merged
+
+
 def card_key(questions: str | None) -> str:
     name = (questions or "mt-bench").lower()
     if name in ("mt-bench", "humaneval"):

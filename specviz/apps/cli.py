@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", default=None)
 
     rep = sub.add_parser("report", help="a results.json from bench as a Markdown table")
-    rep.add_argument("results")
+    rep.add_argument("results", nargs="+", help="one file, or several runs of the same prompts and settings "
+                                                "to report as one (each method from the first run that has it)")
 
     d = sub.add_parser("data", help="build the training sequences (self-distilled in resumable shards)")
     _data_args(d)
@@ -379,10 +380,12 @@ def budget_table(results: dict) -> str:
 
 
 def cmd_report(args) -> None:
-    from .bench import load_results
+    from .bench import load_results, merge_results
     from .orderings import ordering_table
 
-    results = load_results(Path(args.results))
+    results = merge_results([load_results(Path(p)) for p in args.results], args.results)
+    if len(args.results) > 1:
+        print("merged from " + ", ".join(args.results) + " (speeds compare within one run only)")
     print(f"{results.get('questions', '?')}, {len(results['per_prompt'])} prompts, "
           f"{results['max_new_tokens']} new tokens, "
           f"{results['dtype']}, {results['sampling']['rule']}; {results['machine']}, {results['date']}"

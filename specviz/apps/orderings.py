@@ -61,12 +61,13 @@ def ordering_table(results: dict) -> str:
         if a is None or b is None:
             continue
         ratio = a[1]["tau"] / b[1]["tau"]
-        speed = a[1]["speedup"] / b[1]["speedup"]
+        same_run = a[1].get("run") == b[1].get("run")  # merged results: speeds compare within one run only
+        speed = f"{a[1]['speedup'] / b[1]['speedup']:.2f}" if same_run else "–"
         verdict = "–" if c.bar is None else f"≥ {c.bar:.2f}: " + ("**holds**" if ratio >= c.bar else "does not hold")
         alphas = " vs ".join(" / ".join(f"{x:.2f}" for x in m.get("alpha_conditional", [])[:4]) or "–"
                              for m in (a[1], b[1]))
         nodes = " / ".join(f"{m['mean_tree_size']:.1f}" if "mean_tree_size" in m else "–" for m in (a[1], b[1]))
         rows.append(f"| {c.paper}: `{c.ours[0]}` over `{c.baseline[0]}` | {c.budget} | {nodes} | {a[1]['tau']:.2f} / "
-                    f"{b[1]['tau']:.2f} | {ratio:.3f} | {verdict} | {speed:.2f} | {alphas} |")
+                    f"{b[1]['tau']:.2f} | {ratio:.3f} | {verdict} | {speed} | {alphas} |")
     return markdown_rows(["claim", "budget", "nodes verified per step, ours / baseline", "τ ours / baseline",
                           "τ ratio", "bar", "speed ratio", "α_1..4 conditional, ours vs baseline"], rows)
