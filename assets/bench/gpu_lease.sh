@@ -13,7 +13,8 @@
 #          verify-cost curve, then MT-bench on CUDA in bf16 beside AR and transformers' generate, stopped by
 #          BENCH_S seconds (default 240; its run log comes back, so a cut bench still reports what it ran)
 # Device time on the H200 (2026-11-26): start + run 1 45 s, run 2 (with eagle3's training) 531 s, run 3's
-# profile 30 s and tuning 100 s; the machine was taken back at 824 s. Without training, BENCH_S=480 fits.
+# profile 30 s, then a 100 s bench cut before its first prompt (the tuning done and logged); the machine was
+# taken back at 824 s. Without training, BENCH_S=480 fits.
 # Set it from status's budget_left_s minus ~90 s; the idle 30 s between calls count too.
 # Everything written under $OUT comes back (8 files of 16 MiB at most).
 set -uo pipefail
@@ -61,7 +62,7 @@ if str(f).endswith('.gguf')))")
     methods=ar,hf,pld,eagle2,hass,fspad,medusa,redrafter
     [ -f assets/drafters/eagle3/card.json ] && methods=$methods,eagle3
     python3 -m specviz profile --device cuda --dtype bfloat16 --repeats 21 --out "$OUT/profile_cuda_bf16.json"
-    # an H200's budgets from an earlier lease (its run log) skip the ~100 s of tuning; another GPU tunes anew
+    # an H200's budgets from an earlier lease (its run log) skip the tuning; another GPU tunes anew
     log=assets/bench/mtbench16_tuned_cuda_bf16_h200.json.runs resume=()
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ -f $log ]; then
       cp $log "$OUT/mtbench16_tuned_cuda_bf16.json.runs"; resume=(--resume)
