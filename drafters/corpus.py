@@ -126,7 +126,9 @@ class FeatureSet:
 
     def save(self, path: Path, meta: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(self.tensors(), str(path), metadata={"meta": json.dumps(meta)})
+        partial = path.with_name(path.name + ".partial")  # a killed save must not leave a file that loads
+        save_file(self.tensors(), str(partial), metadata={"meta": json.dumps(meta)})
+        partial.replace(path)
 
     @classmethod
     def load(cls, path: Path) -> "FeatureSet":

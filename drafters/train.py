@@ -229,7 +229,7 @@ def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume
         if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(partial))
+        accelerator.save_state(str(partial), safe_serialization=False)  # cuDNN's LSTM weights share one buffer
         progress.wall_s = time.perf_counter() - start
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:

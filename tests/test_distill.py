@@ -4,6 +4,7 @@ resumes to exactly what an unbroken run writes."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -135,6 +136,27 @@ def test_sharded_features_resume_to_the_unbroken_set(tiny_target, tmp_path, monk
     for name, value in whole.tensors().items():
         assert torch.equal(resumed.tensors()[name], value), name
     assert resumed.sequence(10)[0].tolist() == seqs[10][0].tolist()
+
+
+def test_a_kill_while_saving_features_leaves_no_file_that_loads(tiny_target, tmp_path, monkeypatch):
+    """`prepare` trusts a features file that exists: a killed save must leave none (and the next save works)."""
+    import drafters.corpus as corpus
+
+    target = tiny_target(40, seed=3, eos=EOS)
+    features = corpus.extract_features(target, [(torch.tensor(p + [7, 8]), len(p)) for p in random_prompts(5, 6)])
+    real = corpus.save_file
+
+    def dies_halfway(tensors, path, metadata=None):
+        Path(path).write_bytes(b"half a file")
+        raise Killed
+
+    monkeypatch.setattr(corpus, "save_file", dies_halfway)
+    with pytest.raises(Killed):
+        features.save(tmp_path / "train-key.safetensors", {})
+    assert not (tmp_path / "train-key.safetensors").exists()
+    monkeypatch.setattr(corpus, "save_file", real)
+    features.save(tmp_path / "train-key.safetensors", {"a": 1})
+    assert torch.equal(corpus.FeatureSet.load(tmp_path / "train-key.safetensors").tokens, features.tokens)
 
 
 def test_features_in_bf16_come_from_a_bf16_copy_and_stay_close(tiny_target):

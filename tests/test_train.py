@@ -59,6 +59,32 @@ def test_a_killed_run_resumes_to_the_unbroken_weights(method, target, data, tmp_
         assert again["training"]["answer_tokens_seen"] == whole["training"]["answer_tokens_seen"]
 
 
+def one_flat_buffer(net: torch.nn.Module) -> torch.nn.Module:
+    """Every LSTM weight made a view of one buffer, as cuDNN lays them out on a GPU."""
+    for lstm in (m for m in net.modules() if isinstance(m, torch.nn.LSTM)):
+        flat = torch.cat([p.detach().flatten() for p in lstm.parameters()])
+        start = 0
+        for p in lstm.parameters():
+            p.data, start = flat[start:start + p.numel()].view_as(p), start + p.numel()
+    return net
+
+
+def test_a_recurrent_drafter_with_weights_in_one_buffer_resumes(target, data, tmp_path, monkeypatch):
+    """A training state must hold weights that share storage (safetensors refuses them or drops some):
+    semi-lstm's first run on a GPU stopped at its first save."""
+    cls = METHODS["semi-lstm"][0]
+    plain = cls.new_network.__func__
+    monkeypatch.setattr(cls, "new_network", classmethod(lambda c, t: one_flat_buffer(plain(c, t))))
+    assert len({p.untyped_storage().data_ptr() for p in cls.new_network(target).lstm.parameters()}) == 1
+    cfg = TrainConfig(epochs=1, batch_tokens=128, lr=3e-3, draft_vocab=32, save_every=3)
+    train(cls, target, data, data, cfg, {}, tmp_path / "whole", tmp_path / "unbroken")
+    with pytest.raises(Killed):
+        train(cls, target, data, data, cfg, {}, None, tmp_path / "killed", after_step=kill_at(4))
+    train(cls, target, data, data, cfg, {}, tmp_path / "resumed", tmp_path / "killed", resume=True)
+    a, b = (load_file(str(tmp_path / f / "weights.safetensors")) for f in ("whole", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_kill_while_saving_leaves_the_last_state_whole(target, data, tmp_path, monkeypatch):
     from drafters.train import Progress
 

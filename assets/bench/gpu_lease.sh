@@ -12,10 +12,21 @@
 #   run 3: bash assets/bench/gpu_lease.sh finish      eagle3 shipped into $OUT (when trained), the bf16
 #          verify-cost curve, then MT-bench on CUDA in bf16 beside AR and transformers' generate, stopped by
 #          BENCH_S seconds (default 240; its run log comes back, so a cut bench still reports what it ran)
-# Device time on the H200 (2026-11-26): start + run 1 45 s, run 2 (with eagle3's training) 531 s, run 3's
-# profile 30 s, then a 100 s bench cut before its first prompt (the tuning done and logged); the machine was
-# taken back at 824 s. Without training, BENCH_S=480 fits.
+# Device time on the H200 (2026-11-26, 16th session): start + run 1 45 s, run 2 (with eagle3's training) 531 s,
+# run 3's profile 30 s, then a 100 s bench cut before its first prompt (the tuning done and logged); the machine
+# was taken back at 824 s. Without training, BENCH_S=480 fits.
 # Set it from status's budget_left_s minus ~90 s; the idle 30 s between calls count too.
+#
+# Issue 22's retrain (every drafter but eagle3 at EPOCHS, default 4), instead of run 2 and run 3:
+#   run 2: CALL_S=540 bash assets/bench/gpu_lease.sh retrain   carry [".gguf/b"], timeout_s 600
+#   run 3: CALL_S=240 bash assets/bench/gpu_lease.sh collect   at once, if run 2 came back without hass
+#   here:  the checkpoints from $OUT's checkpoints.tar.xz.* into assets/drafters (drafters.checkpoint.ship_checkpoint)
+# On the H200 (2026-11-26, 17th session): the features in 83 s; then the seven runs, each on torch's default
+# 16 CPU threads, made 0.3-0.8 steps/s (load average 81) and were stopped. `train` now keeps one CPU thread beside a
+# GPU: medusa alone 85 steps/s (61 on 16 threads), and with 2 threads each, seven together 9 (hass) to 57
+# (eagle2, fspad) steps/s: about 8 min for all seven at 4 epochs. semi-lstm then stopped at its first save
+# (cuDNN keeps its LSTM weights in one buffer, which safetensors refuses): training states are now pickled.
+# Never `pkill -f "specviz train"` from a call: the call's own command line matches it and dies.
 # Everything written under $OUT comes back (8 files of 16 MiB at most).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,6 +35,19 @@ SITE=$SCRATCH/site GGUF=$SCRATCH/gguf/SmolLM2-135M-Instruct.gguf LOGS=$SCRATCH/l
 export PYTHONPATH="$SITE:$PWD" SPECVIZ_GGUF=$GGUF SPECVIZ_CACHE=$SCRATCH/cache PYTHONUNBUFFERED=1
 EAGLE3=(--drafter eagle3 --samples all --prompts all --max-prompt-tokens 512 --answer-tokens 256 --epochs 2 --device cuda --precision bf16
         --feature-dtype bfloat16 --distill-dtype bfloat16 --save-every 100)
+
+RETRAIN=(--samples all --prompts all --max-prompt-tokens 512 --answer-tokens 256 --epochs ${EPOCHS:-4} --device cuda
+         --precision bf16 --feature-dtype bfloat16 --distill-dtype bfloat16 --save-every 200 --resume)
+TRAINED=(eagle2 hass fspad medusa redrafter semi-attn semi-lstm)  # hass second: the slowest of them
+
+trainers() { pgrep -f "specviz train" > /dev/null; }
+collect() {  # every drafter shipped so far, and the logs, back through $OUT (8 files of 16 MiB at most)
+  while trainers && [ $SECONDS -lt "${CALL_S:-540}" ]; do sleep 5; done
+  runs=$SPECVIZ_CACHE/train/runs  # outside the work tree, which each call copies afresh
+  (cd $runs && ls -d */checkpoint && tar -cf - */checkpoint | xz -T0 -3 | split -b 15M -d - "$OUT/checkpoints.tar.xz.")
+  for d in "${TRAINED[@]}"; do echo "== $d"; tail -c 1200 $LOGS/$d.log 2>/dev/null | tr '\r' '\n' | grep -v '^$' | tail -8; done \
+    | tee "$OUT/retrain_logs.txt"
+}
 
 case ${1:-} in
   prepare)
@@ -52,6 +76,17 @@ if str(f).endswith('.gguf')))")
     python3 -m pytest -q -p no:cacheprovider tests/test_device.py -k real_gpu 2>&1 | tee "$OUT/real_gpu_tests.log"
     timeout 500 bash -c 'while pgrep -f "specviz train" > /dev/null; do sleep 5; done'
     [ -f $LOGS/eagle3.log ] && tail -c 1500 $LOGS/eagle3.log ;;
+  retrain)  # instead of part2: the features once, then every drafter of issue 22 at EPOCHS, all sharing the GPU
+    cat "$(dirname $GGUF)/part00" .gguf/b/part01 > $GGUF && rm "$(dirname $GGUF)/part00"
+    mkdir -p $LOGS
+    start() { setsid nohup python3 -m specviz train --drafter "$1" "${RETRAIN[@]}" > $LOGS/$1.log 2>&1 < /dev/null & }
+    start "${TRAINED[0]}"  # extracts the features; the others start once its training bar shows they are saved
+    until grep -q "train ${TRAINED[0]}" $LOGS/${TRAINED[0]}.log || ! trainers; do sleep 2; done
+    echo "features ready after $SECONDS s"
+    for d in "${TRAINED[@]:1}"; do start "$d"; done
+    python3 -m pytest -q -p no:cacheprovider tests/test_device.py -k real_gpu 2>&1 | tail -15 | tee "$OUT/real_gpu_tests.log"
+    collect ;;
+  collect) collect ;;  # the next call, at once, while the machine is warm
   finish)  # timings only once the training is over: nothing else on the GPU
     while pgrep -f "specviz train" > /dev/null; do sleep 5; done
     if [ -f $LOGS/eagle3.log ]; then
@@ -70,5 +105,5 @@ if str(f).endswith('.gguf')))")
     timeout "${BENCH_S:-240}" python3 -m specviz bench --device cuda --dtype bfloat16 --questions mt-bench \
       --per-category 2 --max-new-tokens 256 --methods $methods --out "$OUT/mtbench16_tuned_cuda_bf16.json" \
       "${resume[@]}" ;;
-  *) echo "usage: $0 prepare|part1|part2|finish" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare|part1|part2|retrain|collect|finish" >&2; exit 2 ;;
 esac
