@@ -39,6 +39,7 @@ EAGLE3=(--drafter eagle3 --samples all --prompts all --max-prompt-tokens 512 --a
 RETRAIN=(--samples all --prompts all --max-prompt-tokens 512 --answer-tokens 256 --epochs ${EPOCHS:-4} --device cuda
          --precision bf16 --feature-dtype bfloat16 --distill-dtype bfloat16 --save-every 200 --resume)
 TRAINED=(eagle2 hass fspad medusa redrafter semi-attn semi-lstm)  # hass second: the slowest of them
+[ "${RETRAIN_EAGLE3:-0}" = 1 ] && TRAINED+=(eagle3)  # the same budget for eagle3 too (its time on a shared GPU: unmeasured)
 
 trainers() { pgrep -f "specviz train" > /dev/null; }
 collect() {  # every drafter shipped so far, and the logs, back through $OUT (8 files of 16 MiB at most)
