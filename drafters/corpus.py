@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load, load_file, save, save_file
+from safetensors.torch import load, load_file, save
 from tqdm.auto import tqdm
 
 from specviz.core import xzfile
 from specviz.core.errors import SpecvizError
 
 from .distill import ShardedDistill, cast_copy, distill_model, self_distill
-from .shards import Shards
+from .shards import Shards, save_whole
 
 
 class DataError(SpecvizError):
@@ -126,9 +126,7 @@ class FeatureSet:
 
     def save(self, path: Path, meta: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")  # a killed save must not leave a file that loads
-        save_file(self.tensors(), str(partial), metadata={"meta": json.dumps(meta)})
-        partial.replace(path)
+        save_whole(path, self.tensors(), {"meta": json.dumps(meta)})  # `prepare` trusts a file that exists
 
     @classmethod
     def load(cls, path: Path) -> "FeatureSet":

@@ -16,6 +16,13 @@ def recipe_key(recipe) -> str:
     return hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def save_whole(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file written aside and renamed: a killed save leaves it whole or absent, never half."""
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    tmp.replace(path)
+
+
 class Shards:
     def __init__(self, folder: Path, count: int, size: int):
         self.folder, self.count, self.size = Path(folder), count, size
@@ -38,9 +45,7 @@ class Shards:
 
     def save(self, i: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.path(i).with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        tmp.replace(self.path(i))  # a shard is either whole or absent
+        save_whole(self.path(i), {k: v.contiguous() for k, v in tensors.items()}, metadata)
 
     def load(self, i: int) -> dict[str, torch.Tensor]:
         return load_file(str(self.path(i)))

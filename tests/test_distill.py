@@ -141,20 +141,21 @@ def test_sharded_features_resume_to_the_unbroken_set(tiny_target, tmp_path, monk
 def test_a_kill_while_saving_features_leaves_no_file_that_loads(tiny_target, tmp_path, monkeypatch):
     """`prepare` trusts a features file that exists: a killed save must leave none (and the next save works)."""
     import drafters.corpus as corpus
+    import drafters.shards as shards
 
     target = tiny_target(40, seed=3, eos=EOS)
     features = corpus.extract_features(target, [(torch.tensor(p + [7, 8]), len(p)) for p in random_prompts(5, 6)])
-    real = corpus.save_file
+    real = shards.save_file
 
     def dies_halfway(tensors, path, metadata=None):
         Path(path).write_bytes(b"half a file")
         raise Killed
 
-    monkeypatch.setattr(corpus, "save_file", dies_halfway)
+    monkeypatch.setattr(shards, "save_file", dies_halfway)
     with pytest.raises(Killed):
         features.save(tmp_path / "train-key.safetensors", {})
     assert not (tmp_path / "train-key.safetensors").exists()
-    monkeypatch.setattr(corpus, "save_file", real)
+    monkeypatch.setattr(shards, "save_file", real)
     features.save(tmp_path / "train-key.safetensors", {"a": 1})
     assert torch.equal(corpus.FeatureSet.load(tmp_path / "train-key.safetensors").tokens, features.tokens)
 

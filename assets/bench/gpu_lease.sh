@@ -43,7 +43,7 @@ TRAINED=(eagle2 hass fspad medusa redrafter semi-attn semi-lstm)  # hass second:
 [ "${RETRAIN_EAGLE3:-0}" = 1 ] && TRAINED+=(eagle3)  # the same budget for eagle3 too (its time on a shared GPU: unmeasured)
 
 trainers() { pgrep -f "specviz train" > /dev/null; }
-collect() {  # every drafter shipped so far, and the logs, back through $OUT (8 files of 16 MiB at most)
+collect() {  # the checkpoints finished so far, and the logs, back through $OUT (8 files of 16 MiB at most)
   while trainers && [ $SECONDS -lt "${CALL_S:-540}" ]; do sleep 5; done
   runs=$SPECVIZ_CACHE/train/runs  # outside the work tree, which each call copies afresh
   (cd $runs && ls -d */checkpoint && tar -cf - */checkpoint | xz -T0 -3 | split -b 15M -d - "$OUT/checkpoints.tar.xz.")
@@ -90,7 +90,7 @@ if str(f).endswith('.gguf')))")
     collect ;;
   collect) collect ;;  # the next call, at once, while the machine is warm
   finish)  # timings only once the training is over: nothing else on the GPU
-    while pgrep -f "specviz train" > /dev/null; do sleep 5; done
+    while trainers; do sleep 5; done
     if [ -f $LOGS/eagle3.log ]; then
       tail -c 3000 $LOGS/eagle3.log > "$OUT/eagle3_train.log"
       python3 -m specviz train "${EAGLE3[@]}" --resume --ship > $LOGS/ship.log 2>&1; tail -3 $LOGS/ship.log
