@@ -71,7 +71,7 @@ def one_flat_buffer(net: torch.nn.Module) -> torch.nn.Module:
 
 def test_a_recurrent_drafter_with_weights_in_one_buffer_resumes(target, data, tmp_path, monkeypatch):
     """A training state must hold weights that share storage (safetensors refuses them or drops some):
-    semi-lstm's first run on a GPU stopped at its first save."""
+    semi-lstm's first run on a GPU could not resume from its saved state."""
     cls = METHODS["semi-lstm"][0]
     plain = cls.new_network.__func__
     monkeypatch.setattr(cls, "new_network", classmethod(lambda c, t: one_flat_buffer(plain(c, t))))

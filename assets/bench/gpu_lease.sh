@@ -24,8 +24,8 @@
 # On the H200 (2026-11-26, 17th session): the features in 83 s; then the seven runs, each on torch's default
 # 16 CPU threads, made 0.3-0.8 steps/s (load average 81) and were stopped. `train` now keeps one CPU thread
 # beside a GPU: medusa alone 85 steps/s (61 on 16 threads), and with 2 threads each, five together 9 (hass)
-# to 57 (eagle2, fspad) steps/s: about 9 min for all seven at 4 epochs, with the features. semi-lstm then
-# stopped at its first save (cuDNN keeps its LSTM weights in one buffer, which safetensors refuses):
+# to 57 (eagle2, fspad) steps/s: about 9 min for all seven at 4 epochs, with the features. semi-lstm could
+# not resume (cuDNN keeps its LSTM weights in one buffer; the safetensors state had dropped the shared ones):
 # training states are now pickled.
 # Never `pkill -f "specviz train"` from a call: the call's own command line matches it and dies.
 # Everything written under $OUT comes back (8 files of 16 MiB at most).
