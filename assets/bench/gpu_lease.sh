@@ -81,12 +81,14 @@ if str(f).endswith('.gguf')))")
   retrain)  # instead of part2: the features once, then every drafter of issue 22 at EPOCHS, all sharing the GPU
     cat "$(dirname $GGUF)/part00" .gguf/b/part01 > $GGUF && rm "$(dirname $GGUF)/part00"
     mkdir -p $LOGS
-    start() { setsid nohup python3 -m specviz train --drafter "$1" "${RETRAIN[@]}" > $LOGS/$1.log 2>&1 < /dev/null & }
+    start() { OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} setsid nohup python3 -m specviz train --drafter "$1" "${RETRAIN[@]}" \
+                > $LOGS/$1.log 2>&1 < /dev/null & }
     start "${TRAINED[0]}"  # extracts the features; the others start once its training bar shows they are saved
     until grep -q "train ${TRAINED[0]}" $LOGS/${TRAINED[0]}.log || ! trainers; do sleep 2; done
     echo "features ready after $SECONDS s"
     for d in "${TRAINED[@]:1}"; do start "$d"; done
-    python3 -m pytest -q -p no:cacheprovider tests/test_device.py -k real_gpu 2>&1 | tail -15 | tee "$OUT/real_gpu_tests.log"
+    [ "${GPU_TESTS:-1}" = 1 ] &&  # GPU_TESTS=0 leaves the CPUs and the GPU to the trainers
+      python3 -m pytest -q -p no:cacheprovider tests/test_device.py -k real_gpu 2>&1 | tail -15 | tee "$OUT/real_gpu_tests.log"
     collect ;;
   collect) collect ;;  # the next call, at once, while the machine is warm
   finish)  # timings only once the training is over: nothing else on the GPU
