@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,7 +53,7 @@ def embedded_gguf() -> Path:
 def embedded_folder() -> Path:
     """Convert the embedded GGUF once into a cached safetensors folder and return it."""
     folder = cache_dir() / "smollm2-135m-instruct"
-    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+    if converted(folder):
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -62,12 +64,29 @@ def embedded_folder() -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.config.quantization_config = None
-    tmp = folder.with_name(folder.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.replace(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", suffix=".tmp", dir=folder.parent))  # one per process
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        publish_folder(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"specviz: cached at {folder} ({time.perf_counter() - start:.1f} s)", flush=True)
     return folder
+
+
+def publish_folder(tmp: Path, folder: Path) -> None:
+    """Rename a finished conversion into place; two first runs may race, and the first one's folder stays."""
+    try:
+        tmp.replace(folder)
+    except OSError:
+        if not converted(folder):
+            raise
+
+
+def converted(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
