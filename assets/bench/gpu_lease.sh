@@ -27,6 +27,9 @@
 # to 57 (eagle2, fspad) steps/s: about 9 min for all seven at 4 epochs, with the features. semi-lstm could
 # not resume (cuDNN keeps its LSTM weights in one buffer; the safetensors state had dropped the shared ones):
 # training states are now pickled.
+# On the H100 (2026-11-26, 18th session), GPU_TESTS=0 and 2 threads per trainer: the features in 111 s, all
+# seven done 448 s into the call (hass last, 315 s). A `finish` after it (shipping the checkpoints there first)
+# needed more than 330 s: profile ~30 s, the tuning ~100 s, and no bench prompt finished by the cut.
 # Never `pkill -f "specviz train"` from a call: the call's own command line matches it and dies.
 # Everything written under $OUT comes back (8 files of 16 MiB at most).
 set -uo pipefail
