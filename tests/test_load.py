@@ -29,7 +29,7 @@ def test_two_first_runs_at_once_both_get_the_converted_folder(tmp_path, monkeypa
     def convert():
         try:
             folders.append(load.embedded_folder())
-        except Exception as e:  # noqa: BLE001 - the assertion below shows it
+        except Exception as e:  # the assertion below shows it
             errors.append(e)
 
     threads = [threading.Thread(target=convert) for _ in range(2)]

@@ -105,20 +105,24 @@ def _prompts(target: TargetModel) -> list[list[int]]:
     return [torch.randint(0, target.vocab_size, (24,), generator=gen).tolist() for _ in WARMUP_PROMPTS]
 
 
+def _draft_a_little(target: TargetModel, drafter) -> list[int]:
+    """The first warm-up prompt and 4 tokens drafted after it, untimed: a GPU charges one-time set-up to a
+    process's first drafts (the first trained drafter tuned on an H100 and an H200 came out 10x dearer
+    per draft than the same network tuned next)."""
+    ids = _prompts(target)[0]
+    return ids + output_ids(list(generate(target, drafter, ids, 4)))
+
+
 def _warm_up(target: TargetModel, drafter, prompts: int | None = None) -> list[StepRecord]:
-    """The step records of ``drafter`` on the warm-up prompts (the first ``prompts`` of them), after a few
-    untimed tokens: a GPU charges one-time set-up to a process's first drafts (the first trained drafter
-    tuned on an H100 and an H200 came out 10x dearer per draft than the same network tuned next)."""
-    list(generate(target, drafter, _prompts(target)[0], 4))
+    """The step records of ``drafter`` on the warm-up prompts (the first ``prompts`` of them)."""
+    _draft_a_little(target, drafter)
     return [r for ids in _prompts(target)[:prompts]
             for r in run(target, drafter, ids, WARMUP_TOKENS, hover=False).records]
 
 
 def _propose_ms(target: TargetModel, drafter, repeats: int = 5) -> float:
     """Median ms of one draft, alone, after a few tokens of the first warm-up prompt."""
-    ids = _prompts(target)[0]
-    records = list(generate(target, drafter, ids, 4))
-    request = DraftRequest(ids + output_ids(records), 1 << 20, Sampling())
+    request = DraftRequest(_draft_a_little(target, drafter), 1 << 20, Sampling())
     times = []
     for _ in range(repeats):
         start = now(target.device)
