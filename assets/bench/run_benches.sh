@@ -12,7 +12,8 @@
 # machine; their tokens/s are then not speed figures (the tuned steps run alone, on every core). The tau steps
 # resume on any machine (--any-machine); a tuned step's log only resumes on the machine it started on.
 # PART=K/N runs the K-th of N blocks of what a tau step has left (bench --part): CORE=0 PART=1/2 and
-# CORE=1 PART=2/2 side by side, then the step without PART takes both parts in and finishes.
+# CORE=1 PART=2/2 side by side, then the step without PART takes both parts in and finishes (pinned to core 0
+# too, so its results name the one thread each part ran with).
 # A step unfinished when a session ends: stop it and commit its *.runs logs (a new checkout holds only what
 # landed, and ~/.cache may be gone); the step removes them when it completes.
 set -euo pipefail
@@ -45,6 +46,8 @@ specviz.apps.bench import load_results; sys.exit(load_results(Path(sys.argv[1]))
     [ -f "$out.part${PART/\//-of-}.runs" ] && extra+=(--resume)
   elif [ -f "$out.runs" ] || [ ${#parts[@]} -gt 0 ]; then
     extra=(--resume)  # takes finished parts in
+    # the parts ran pinned, one thread each: so does the run that takes them in, so the results say so
+    [ ${#parts[@]} -gt 0 ] && local CORE=${CORE:-0}
   fi
   pinned python3 -m specviz bench --out "$out" "${extra[@]}" "$@"
 }
