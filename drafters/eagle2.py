@@ -111,6 +111,7 @@ class LossOptions:
     passes: int = 1  # HASS harmonized context alignment passes (1 = plain EAGLE)
     topk: int = 0  # HASS Top-K distillation K (0 = off)
     topk_weight: float = 0.0
+    topk_after: float = 0.0  # the Top-K term joins once this fraction of the training is done (HASS's recipe: 0.8)
     beta: float = 1.0  # weight of pass j is beta ** (j - 1)
     detach: bool = True  # pass j reads pass j-1's prediction without its gradient (HASS); EAGLE-3 keeps it
 
@@ -132,8 +133,9 @@ def aligned_passes(net: FeatureNet, inputs, embeds, passes: int, detach: bool = 
         current = torch.cat([inputs[:, :1], (pred.detach() if detach else pred)[:, :-1]], dim=1)
 
 
-def feature_loss(net: FeatureNet, frozen: FrozenTarget, tokens, feats, valid, opts: LossOptions):
-    """Loss over a batch of sequences. ``valid[b, t]``: the prediction made at t counts.
+def feature_loss(net: FeatureNet, frozen: FrozenTarget, tokens, feats, valid, opts: LossOptions, done: float = 1.0):
+    """Loss over a batch of sequences. ``valid[b, t]``: the prediction made at t counts; ``done``: the
+    fraction of the training made (1.0 outside training).
 
     Position t reads (feature_t, token_{t+1}) and predicts feature_{t+1}, whose LM-head
     distribution is the target's distribution for token_{t+2}. ``feats`` may carry tapped layers
@@ -163,7 +165,7 @@ def feature_loss(net: FeatureNet, frozen: FrozenTarget, tokens, feats, valid, op
         if opts.feature_weight:
             l_feat = (F.smooth_l1_loss(pred[rows].float(), goal.float(), reduction="none").mean(-1) * w).sum() / n
             loss = loss + opts.feature_weight * l_feat
-        if opts.topk:
+        if opts.topk and done >= opts.topk_after:
             loss = loss + opts.topk_weight * (topk_distill_loss(goal_logits, logits, opts.topk) * w).sum() / n
         total = total + opts.beta ** (step - 1) * loss
         stats[f"acc{step}"] = float(((logits.argmax(-1) == goal_top).float() * w).sum() / n)
@@ -204,11 +206,11 @@ class Eagle2Drafter(TrainedDrafter):
         return FeatureNet(layer_config(target.config), **cls.variant)
 
     @classmethod
-    def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False):
+    def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False, done: float = 1.0):
         """The method's objective; ``evaluate`` reports accuracy at depths 1-4 (as the chain drafters do),
         each depth drafted from the drafter's own earlier predictions."""
         opts = replace(cls.loss, passes=4, detach=True) if evaluate else cls.loss
-        return feature_loss(net, frozen, tokens, feats, valid, opts)
+        return feature_loss(net, frozen, tokens, feats, valid, opts, done)
 
     # -- decoding state ---------------------------------------------------------------------
     def reset(self) -> None:

@@ -168,7 +168,7 @@ class HeadDrafter(TrainedDrafter):
         return cls.network(target.config.hidden_size)
 
     @classmethod
-    def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False):
+    def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False, done: float = 1.0):
         return chain_loss(net, frozen, tokens, feats, valid, DEPTH, evaluate)
 
     def reset(self) -> None:

@@ -2,7 +2,7 @@
 
 ShareGPT prompts -> (self-distilled) answers -> frozen target features -> the method's own loss
 -> a bf16 safetensors checkpoint with a JSON card. Methods plug in through the training protocol
-of ``TrainedDrafter``: ``new_network(target)`` and ``training_loss(net, frozen, tokens, feats, valid, evaluate)``.
+of ``TrainedDrafter``: ``new_network(target)`` and ``training_loss(net, frozen, tokens, feats, valid, evaluate, done)``.
 The same code runs on a CPU, one GPU, or several through ``accelerate launch``; its state is saved in a
 work folder every ``save_every`` steps, so ``resume`` continues to the weights an unbroken run reaches.
 """
@@ -15,7 +15,7 @@ import platform
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 import torch
@@ -254,7 +254,8 @@ def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume
             for tokens, feats, valid in accelerator.skip_first_batches(loader, skip) if skip else loader:
                 feats = taps(tokens, feats)
                 with torch.autocast(accelerator.device.type, torch.bfloat16, enabled=cfg.mixed_precision == "bf16"):
-                    loss, stats = method.training_loss(net, frozen, tokens, feats, valid)
+                    loss, stats = method.training_loss(net, frozen, tokens, feats, valid,
+                                                       done=progress.step / total_steps)
                 opt.zero_grad(set_to_none=True)
                 accelerator.backward(loss)
                 accelerator.clip_grad_norm_(net.parameters(), cfg.clip)
@@ -295,6 +296,7 @@ def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume
                      "mixed_precision": cfg.mixed_precision,
                      "machine": f"{platform.machine()} {torch.get_num_threads()} threads" if device.type == "cpu"
                      else torch.cuda.get_device_name(device)},
+        "objective": asdict(method.loss) if is_dataclass(getattr(method, "loss", None)) else None,
         "features": {"final_norm_output": True, "tapped_layer_inputs": list(taps.layers)},
         "draft_vocab": {"size": int(vocab_map.numel()), "train_token_coverage": round(coverage, 4)},
         "history": progress.history,

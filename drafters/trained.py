@@ -41,10 +41,12 @@ class TrainedDrafter(Drafter):
 
     @classmethod
     def training_loss(cls, net: nn.Module, frozen: FrozenTarget, tokens: torch.Tensor, feats: torch.Tensor,
-                      valid: torch.Tensor, evaluate: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+                      valid: torch.Tensor, evaluate: bool = False,
+                      done: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss, statistics) over a batch: tokens [B, T], the target's features [B, T, H], and ``valid``
         [B, T], the positions whose predictions count. ``evaluate`` adds the per-depth accuracies the
-        card reports, measured alike for every method of a family."""
+        card reports, measured alike for every method of a family; ``done`` is the fraction of the
+        training made (an objective may change on the way: HASS's Top-K term)."""
         raise NotImplementedError
 
     @classmethod

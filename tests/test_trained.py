@@ -6,6 +6,7 @@ import json
 import math
 import random
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,15 @@ from transformers import DynamicCache
 from conftest import train_tiny_drafter
 from drafters import build_drafter, checkpoint, corpus
 from drafters.checkpoint import CheckpointError
-from drafters.eagle2 import Eagle2Drafter, FeatureNet, aligned_mask, aligned_passes, layer_config, topk_distill_loss
+from drafters.eagle2 import (
+    Eagle2Drafter,
+    FeatureNet,
+    aligned_mask,
+    aligned_passes,
+    feature_loss,
+    layer_config,
+    topk_distill_loss,
+)
 from drafters.eagle3 import Eagle3Drafter
 from drafters.fspad import FspadDrafter
 from drafters.hass import HassDrafter
@@ -132,6 +141,51 @@ def test_topk_distill_loss_by_hand():
     both = topk_distill_loss(target_logits.expand(2, 3, 5), draft_logits.expand(2, 3, 5), 2)
     assert both.shape == (2, 3)
     torch.testing.assert_close(both, torch.full((2, 3), k2))
+
+
+def hass_batch(target, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=g)
+    feats = torch.randn(2, 9, HIDDEN, generator=g)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, 6:] = False
+    return tokens, feats, valid
+
+
+def test_hass_top_k_term_joins_for_the_last_fifth(target):
+    """The reference recipe: aligned passes alone, then with the Top-K term (40 + 10 epochs: from 0.8 on)."""
+    torch.manual_seed(4)
+    net, frozen = HassDrafter.new_network(target).requires_grad_(False), FrozenTarget(target, torch.arange(VOCAB))
+    batch = hass_batch(target)
+    without = feature_loss(net, frozen, *batch, replace(HassDrafter.loss, topk=0))[0]
+    with_topk = feature_loss(net, frozen, *batch, replace(HassDrafter.loss, topk_after=0.0))[0]
+    assert float(with_topk) > float(without) + 0.1  # the term is not negligible, so the switch shows
+    assert HassDrafter.loss.topk_after == 0.8
+    torch.testing.assert_close(HassDrafter.training_loss(net, frozen, *batch, done=0.0)[0], without)
+    torch.testing.assert_close(HassDrafter.training_loss(net, frozen, *batch, done=0.799)[0], without)
+    torch.testing.assert_close(HassDrafter.training_loss(net, frozen, *batch, done=0.8)[0], with_topk)
+    torch.testing.assert_close(HassDrafter.training_loss(net, frozen, *batch)[0], with_topk)  # outside training
+
+
+def test_training_tells_the_loss_how_far_it_is(target, monkeypatch):
+    """``done`` is the fraction of optimizer steps made before the step: 0 at the first, below 1 at the last."""
+    from drafters.train import TrainConfig, train
+
+    seen = []
+    original = HassDrafter.training_loss.__func__
+
+    def spy(cls, net, frozen, tokens, feats, valid, evaluate=False, done=1.0):
+        if not evaluate:
+            seen.append(done)
+        return original(cls, net, frozen, tokens, feats, valid, evaluate, done)
+
+    monkeypatch.setattr(HassDrafter, "training_loss", classmethod(spy))
+    gen = torch.Generator().manual_seed(5)
+    data = corpus.extract_features(target, [(torch.randint(0, VOCAB, (12,), generator=gen), 4) for _ in range(6)])
+    cfg = TrainConfig(epochs=2, batch_tokens=32, draft_vocab=VOCAB, device="cpu")
+    train(HassDrafter, target, data, data, cfg, {"source": "test"})
+    steps = len(seen)
+    assert steps >= 4 and seen == [pytest.approx(i / steps) for i in range(steps)]
 
 
 # -- HASS context alignment ------------------------------------------------------------------------

@@ -46,6 +46,16 @@ TRAINED=(eagle2 hass fspad medusa redrafter semi-attn semi-lstm)  # hass second:
 [ "${RETRAIN_EAGLE3:-0}" = 1 ] && TRAINED+=(eagle3)  # the same budget for eagle3 too (its time on a shared GPU: unmeasured)
 
 trainers() { pgrep -f "specviz train" > /dev/null; }
+start() { OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} setsid nohup python3 -m specviz train --drafter "$1" "${RETRAIN[@]}" \
+            > $LOGS/$1.log 2>&1 < /dev/null & }
+whole_gguf() { cat "$(dirname $GGUF)/part00" .gguf/b/part01 > $GGUF && rm "$(dirname $GGUF)/part00"; mkdir -p $LOGS; }
+real_gpu_tests() { python3 -m pytest -q -p no:cacheprovider tests/test_device.py -k real_gpu 2>&1 | tail -15 | tee "$OUT/real_gpu_tests.log"; }
+bench() {  # the shipped drafters on CUDA in bf16 beside AR and transformers' generate, cut at BENCH_S seconds
+  local methods=ar,hf,pld,eagle2,hass,fspad,medusa,redrafter n=$((8 * ${PER_CATEGORY:-2}))
+  [ -f assets/drafters/eagle3/card.json ] && methods=$methods,eagle3
+  timeout "${BENCH_S:-240}" python3 -m specviz bench --device cuda --dtype bfloat16 --questions mt-bench \
+    --per-category "${PER_CATEGORY:-2}" --max-new-tokens 256 --methods $methods --out "$OUT/mtbench${n}_tuned_cuda_bf16.json" "$@"
+}
 collect() {  # the checkpoints finished so far, and the logs, back through $OUT (8 files of 16 MiB at most)
   while trainers && [ $SECONDS -lt "${CALL_S:-540}" ]; do sleep 5; done
   runs=$SPECVIZ_CACHE/train/runs  # outside the work tree, which each call copies afresh
@@ -75,24 +85,26 @@ if str(f).endswith('.gguf')))")
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, transformers, accelerate, gguf; print(torch.__version__, transformers.__version__)" ;;
   part2)
-    cat "$(dirname $GGUF)/part00" .gguf/b/part01 > $GGUF && rm "$(dirname $GGUF)/part00"
-    mkdir -p $LOGS
+    whole_gguf
     [ "${TRAIN_EAGLE3:-0}" = 1 ] && setsid nohup python3 -m specviz train "${EAGLE3[@]}" > $LOGS/eagle3.log 2>&1 < /dev/null &
-    python3 -m pytest -q -p no:cacheprovider tests/test_device.py -k real_gpu 2>&1 | tee "$OUT/real_gpu_tests.log"
+    real_gpu_tests
     timeout 500 bash -c 'while pgrep -f "specviz train" > /dev/null; do sleep 5; done'
     [ -f $LOGS/eagle3.log ] && tail -c 1500 $LOGS/eagle3.log ;;
   retrain)  # instead of part2: the features once, then every drafter of issue 22 at EPOCHS, all sharing the GPU
-    cat "$(dirname $GGUF)/part00" .gguf/b/part01 > $GGUF && rm "$(dirname $GGUF)/part00"
-    mkdir -p $LOGS
-    start() { OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} setsid nohup python3 -m specviz train --drafter "$1" "${RETRAIN[@]}" \
-                > $LOGS/$1.log 2>&1 < /dev/null & }
+    whole_gguf
     start "${TRAINED[0]}"  # extracts the features; the others start once its training bar shows they are saved
     until grep -q "train ${TRAINED[0]}" $LOGS/${TRAINED[0]}.log || ! trainers; do sleep 2; done
     echo "features ready after $SECONDS s"
     for d in "${TRAINED[@]:1}"; do start "$d"; done
-    [ "${GPU_TESTS:-1}" = 1 ] &&  # GPU_TESTS=0 leaves the CPUs and the GPU to the trainers
-      python3 -m pytest -q -p no:cacheprovider tests/test_device.py -k real_gpu 2>&1 | tail -15 | tee "$OUT/real_gpu_tests.log"
+    [ "${GPU_TESTS:-1}" = 1 ] && real_gpu_tests  # GPU_TESTS=0 leaves the CPUs and the GPU to the trainers
     collect ;;
+  hass)  # instead of part2: the features, then HASS alone at the shared budget (its objective in drafters/hass.py)
+    whole_gguf
+    TRAINED=(hass)
+    start hass
+    [ "${GPU_TESTS:-1}" = 1 ] && real_gpu_tests  # beside the training: its timing is not reported
+    collect ;;
+  bench) bench ;;  # the last call, with assets/drafters back in the tree
   collect) collect ;;  # the next call, at once, while the machine is warm
   finish)  # timings only once the training is over: nothing else on the GPU
     while trainers; do sleep 5; done
@@ -101,16 +113,12 @@ if str(f).endswith('.gguf')))")
       python3 -m specviz train "${EAGLE3[@]}" --resume --ship > $LOGS/ship.log 2>&1; tail -3 $LOGS/ship.log
       cp assets/drafters/eagle3/* "$OUT/"  # the checkpoint trained here comes back
     fi
-    methods=ar,hf,pld,eagle2,hass,fspad,medusa,redrafter
-    [ -f assets/drafters/eagle3/card.json ] && methods=$methods,eagle3
     python3 -m specviz profile --device cuda --dtype bfloat16 --repeats 21 --out "$OUT/profile_cuda_bf16.json"
     # an H200's budgets from an earlier lease (its run log) skip the tuning; another GPU tunes anew
     log=assets/bench/mtbench16_tuned_cuda_bf16_h200.json.runs resume=()
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ -f $log ]; then
       cp $log "$OUT/mtbench16_tuned_cuda_bf16.json.runs"; resume=(--resume)
     fi
-    timeout "${BENCH_S:-240}" python3 -m specviz bench --device cuda --dtype bfloat16 --questions mt-bench \
-      --per-category 2 --max-new-tokens 256 --methods $methods --out "$OUT/mtbench16_tuned_cuda_bf16.json" \
-      "${resume[@]}" ;;
-  *) echo "usage: $0 prepare|part1|part2|retrain|collect|finish" >&2; exit 2 ;;
+    bench "${resume[@]}" ;;
+  *) echo "usage: $0 prepare|part1|part2|retrain|hass|collect|bench|finish" >&2; exit 2 ;;
 esac

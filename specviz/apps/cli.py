@@ -471,7 +471,8 @@ def cmd_train(args) -> None:
     train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train", features=not taps_all)
     for name in names:
         config = {k: v for k, v in vars(cfg).items() if k not in OUTSIDE_RUN_KEY}
-        run = json.dumps([name, recipe.features_key(target), config], sort_keys=True, default=str)
+        objective = getattr(METHODS[name][0], "loss", None)  # a changed objective is another run
+        run = json.dumps([name, recipe.features_key(target), config, objective], sort_keys=True, default=str)
         work = cache_dir() / "train" / "runs" / f"{name}-{hashlib.sha1(run.encode()).hexdigest()[:12]}"
         finished = work / "checkpoint"
         out = Path(args.out) if args.out else finished
