@@ -7,7 +7,8 @@
 # eagle3-train (2 epochs on the shared sequences and budget, resumable, shipped when done; its saves are
 # mirrored in .train-state/ for a lost cache), then
 # eagle3-mtbench eagle3-humaneval (eagle3 at the trees hass was benched at); redrafter-mtbench redrafter-humaneval
-# (ReDrafter at Medusa's node counts after prefix merging).
+# (ReDrafter at Medusa's node counts after prefix merging); hass-mtbench hass-humaneval (HASS trained in the
+# reference's two stages, at the shared trees).
 # CORE=N pins the step to one core with one torch thread, so two tau-only steps can share a 2-core
 # machine; their tokens/s are then not speed figures (the tuned steps run alone, on every core). The tau steps
 # resume on any machine (--any-machine); a tuned step's log only resumes on the machine it started on.
@@ -31,6 +32,7 @@ REDRAFTER="ar,medusa:preset=paper,medusa:heads=4:top_k=8:total_tokens=60,redraft
 redrafter:width=28:length=4"
 # HASS at these two trees is in the trees-* results (same questions, fp32, greedy): not run twice.
 EAGLE3="ar,eagle3:preset=paper,eagle3:$TREE16"
+HASS="ar,hass:preset=paper,hass:$TREE16"  # HASS trained with the reference's two stages (drafters/hass.py)
 
 run() {  # OUT, then bench arguments
   local out=$1; shift
@@ -93,6 +95,10 @@ for step in "$@"; do
       --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
     eagle3-humaneval) run assets/bench/humaneval40_eagle3_cpu.json.xz --any-machine --questions humaneval --limit 40 \
       --dtype float32 --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
+    hass-mtbench) run assets/bench/mtbench80_hass_two_stage_cpu.json.xz --any-machine --questions mt-bench \
+      --dtype float32 --max-new-tokens 256 --methods "$HASS" --update-cards ;;
+    hass-humaneval) run assets/bench/humaneval40_hass_two_stage_cpu.json.xz --any-machine --questions humaneval \
+      --limit 40 --dtype float32 --max-new-tokens 256 --methods "$HASS" --update-cards ;;
     redrafter-mtbench) run assets/bench/mtbench80_redrafter_nodes_cpu.json.xz --any-machine --questions mt-bench \
       --dtype float32 --max-new-tokens 256 --methods "$REDRAFTER" ;;
     redrafter-humaneval) run assets/bench/humaneval40_redrafter_nodes_cpu.json.xz --any-machine --questions humaneval --limit 40 \
