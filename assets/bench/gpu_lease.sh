@@ -30,6 +30,11 @@
 # On the H100 (2026-11-26, 18th session), GPU_TESTS=0 and 2 threads per trainer: the features in 111 s, all
 # seven done 448 s into the call (hass last, 315 s). A `finish` after it (shipping the checkpoints there first)
 # needed more than 330 s: profile ~30 s, the tuning ~100 s, and no bench prompt finished by the cut.
+# On the H100 (2026-11-26, 20th session), all three calls issued in one batch of tool calls (no idle gap), the
+# drafters moved back between runs 2 and 3: part1 45 s with the start; `GPU_TESTS=1 CALL_S=380 ... hass` 348 s
+# (the features, HASS's two-stage retrain alone in 251 s, the 13 real-GPU tests in 41 s beside it);
+# `PER_CATEGORY=1 BENCH_S=380 ... bench` cut after 4 of 8 prompts (tuning ~100 s, then ~40 s a prompt for nine
+# methods); 790 s of the 900. Its log (mtbench8_tuned_cuda_bf16_h100.json.runs) resumes on the next H100.
 # Never `pkill -f "specviz train"` from a call: the call's own command line matches it and dies.
 # Everything written under $OUT comes back (8 files of 16 MiB at most).
 set -uo pipefail
@@ -50,11 +55,16 @@ start() { OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} setsid nohup python3 -m specviz 
             > $LOGS/$1.log 2>&1 < /dev/null & }
 whole_gguf() { cat "$(dirname $GGUF)/part00" .gguf/b/part01 > $GGUF && rm "$(dirname $GGUF)/part00"; mkdir -p $LOGS; }
 real_gpu_tests() { python3 -m pytest -q -p no:cacheprovider tests/test_device.py -k real_gpu 2>&1 | tail -15 | tee "$OUT/real_gpu_tests.log"; }
-bench() {  # the shipped drafters on CUDA in bf16 beside AR and transformers' generate, cut at BENCH_S seconds
-  local methods=ar,hf,pld,eagle2,hass,fspad,medusa,redrafter n=$((8 * ${PER_CATEGORY:-2}))
+bench() {  # the shipped drafters on CUDA in bf16 beside AR and transformers' generate, cut at BENCH_S seconds;
+  # an earlier lease's run log on the same kind of GPU resumes (its tuned budgets and finished prompts kept)
+  local methods=ar,hf,pld,eagle2,hass,fspad,medusa,redrafter n=$((8 * ${PER_CATEGORY:-2})) resume=() gpu log
   [ -f assets/drafters/eagle3/card.json ] && methods=$methods,eagle3
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -o -i -m1 -E 'h100|h200' | tr A-Z a-z)
+  log=assets/bench/mtbench${n}_tuned_cuda_bf16_$gpu.json.runs
+  if [ -n "$gpu" ] && [ -f "$log" ]; then cp "$log" "$OUT/mtbench${n}_tuned_cuda_bf16.json.runs"; resume=(--resume); fi
   timeout "${BENCH_S:-240}" python3 -m specviz bench --device cuda --dtype bfloat16 --questions mt-bench \
-    --per-category "${PER_CATEGORY:-2}" --max-new-tokens 256 --methods $methods --out "$OUT/mtbench${n}_tuned_cuda_bf16.json" "$@"
+    --per-category "${PER_CATEGORY:-2}" --max-new-tokens 256 --methods $methods --out "$OUT/mtbench${n}_tuned_cuda_bf16.json" \
+    "${resume[@]}"
 }
 collect() {  # the checkpoints finished so far, and the logs, back through $OUT (8 files of 16 MiB at most)
   while trainers && [ $SECONDS -lt "${CALL_S:-540}" ]; do sleep 5; done
@@ -114,11 +124,6 @@ if str(f).endswith('.gguf')))")
       cp assets/drafters/eagle3/* "$OUT/"  # the checkpoint trained here comes back
     fi
     python3 -m specviz profile --device cuda --dtype bfloat16 --repeats 21 --out "$OUT/profile_cuda_bf16.json"
-    # an H200's budgets from an earlier lease (its run log) skip the tuning; another GPU tunes anew
-    log=assets/bench/mtbench16_tuned_cuda_bf16_h200.json.runs resume=()
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ -f $log ]; then
-      cp $log "$OUT/mtbench16_tuned_cuda_bf16.json.runs"; resume=(--resume)
-    fi
-    bench "${resume[@]}" ;;
+    bench ;;
   *) echo "usage: $0 prepare|part1|part2|retrain|hass|collect|bench|finish" >&2; exit 2 ;;
 esac

@@ -86,8 +86,8 @@ NOTES = {
                    "EAGLE-2 (Li et al., 2024), a baseline of HASS and FSPAD",
                    "a dynamic tree: wide at shallow depths; α falls quickly with depth."),
     "hass": Note("as EAGLE-2",
-                 "EAGLE's loss + Top-K distillation + 3 aligned passes in which the drafter reads its own earlier "
-                 "features", "HASS (Zhang et al., 2024)",
+                 "EAGLE's loss over 3 aligned passes in which the drafter reads its own earlier features; Top-K "
+                 "distillation joins for the last fifth of the training", "HASS (Zhang et al., 2024)",
                  "compared with eagle2, α holds up better at depths 2–3."),
     "fspad": Note("as EAGLE-2, with a Feature Sampler that gates the feature with the token embedding",
                   "0.1 · token loss + feature loss on a split output (partial alignment distillation)",
