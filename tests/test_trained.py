@@ -143,7 +143,7 @@ def test_topk_distill_loss_by_hand():
     torch.testing.assert_close(both, torch.full((2, 3), k2))
 
 
-def hass_batch(target, seed: int = 3):
+def hass_batch(seed: int = 3):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (2, 9), generator=g)
     feats = torch.randn(2, 9, HIDDEN, generator=g)
@@ -156,7 +156,7 @@ def test_hass_top_k_term_joins_for_the_last_fifth(target):
     """The reference recipe: aligned passes alone, then with the Top-K term (40 + 10 epochs: from 0.8 on)."""
     torch.manual_seed(4)
     net, frozen = HassDrafter.new_network(target).requires_grad_(False), FrozenTarget(target, torch.arange(VOCAB))
-    batch = hass_batch(target)
+    batch = hass_batch()
     without = feature_loss(net, frozen, *batch, replace(HassDrafter.loss, topk=0))[0]
     with_topk = feature_loss(net, frozen, *batch, replace(HassDrafter.loss, topk_after=0.0))[0]
     assert float(with_topk) > float(without) + 0.1  # the term is not negligible, so the switch shows
