@@ -11,5 +11,5 @@ class AutoregressiveDrafter(Drafter):
     def __init__(self, target=None, settings: Settings | None = None):
         self.settings = settings or Settings()
 
-    def propose(self, request: DraftRequest) -> DraftTree:
+    def propose(self, state, request: DraftRequest) -> DraftTree:
         return DraftTree.empty()

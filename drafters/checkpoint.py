@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load, save_file
+from safetensors.torch import load, save
 
-from specviz.core import xzfile
+from specviz.core import files
 from specviz.core.errors import SpecvizError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,10 +40,9 @@ def target_signature(target) -> dict:
 
 def save_checkpoint(folder: Path, state: dict[str, torch.Tensor], card: dict, dtype=torch.bfloat16) -> None:
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in state.items()}
-    save_file(tensors, str(folder / WEIGHTS), metadata={"method": card["method"]})
-    (folder / CARD).write_text(json.dumps(card, indent=2) + "\n")
+    files.atomic_write(folder / WEIGHTS, save(tensors, metadata={"method": card["method"]}))
+    files.atomic_write(folder / CARD, json.dumps(card, indent=2) + "\n")
 
 
 def weights_file(folder: Path) -> Path | None:
@@ -57,7 +56,7 @@ def ship_checkpoint(source: Path, method: str) -> Path:
     if weights is None:
         raise CheckpointError(f"no weights in {source} to ship")
     folder.mkdir(parents=True, exist_ok=True)
-    xzfile.write_bytes(folder / SHIPPED_WEIGHTS, xzfile.read_bytes(weights))
+    files.atomic_write(folder / SHIPPED_WEIGHTS, files.read_bytes(weights))
     (folder / WEIGHTS).unlink(missing_ok=True)  # a stale uncompressed copy would win over the new one
     shutil.copyfile(Path(source) / CARD, folder / CARD)
     return folder
@@ -79,7 +78,7 @@ def read_card(folder: Path) -> dict:
 def update_card(folder: Path, **fields) -> None:
     card = read_card(folder)
     card.update(fields)
-    (Path(folder) / CARD).write_text(json.dumps(card, indent=2) + "\n")
+    files.atomic_write(Path(folder) / CARD, json.dumps(card, indent=2) + "\n")
 
 
 def load_checkpoint(folder: str | Path | None, method: str, target) -> tuple[dict[str, torch.Tensor], dict]:
@@ -100,7 +99,7 @@ def load_checkpoint(folder: str | Path | None, method: str, target) -> tuple[dic
                 f"{method} checkpoint {folder} was trained for a target with {key}={want[key]} "
                 f"({want.get('name', '?')}); this target ({have['name']}) has {key}={have[key]}")
     try:
-        state = load(xzfile.read_bytes(weights))
+        state = load(files.read_bytes(weights))
     except (SafetensorError, OSError, ValueError, lzma.LZMAError, EOFError) as e:
         raise CheckpointError(f"{method} checkpoint {weights} is unreadable "
                               f"(corrupt or truncated): {e}") from None

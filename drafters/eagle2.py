@@ -4,12 +4,13 @@ The network reads the target's feature (its final-norm output, as in EAGLE's rel
 with the next token's embedding, runs one Llama decoder layer built from transformers' own modules,
 and predicts the next feature. Draft logits come from the
 target's frozen LM head restricted to a reduced draft vocabulary (the most frequent tokens of the
-training data), which keeps the per-node head cheap on CPU. HASS and FSPAD reuse this file.
+training data), which keeps the per-node head cheap on CPU. HASS and FSPAD reuse this file; the
+objective they share is ``drafters.training.losses.feature_loss``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from specviz.core.target import cache_kwarg
 from specviz.core.tree import DraftTree, additive_mask
 
 from .trained import TrainedDrafter
-from .vocab_head import FrozenTarget
+from .training.losses import LossOptions, feature_loss
 
 
 def layer_config(target_config) -> LlamaConfig:
@@ -83,96 +84,6 @@ class FeatureNet(nn.Module):
         return out, out
 
 
-def aligned_mask(length: int, step: int) -> torch.Tensor:
-    """Which keys a query at position t sees in training pass ``step`` (HASS context alignment).
-
-    The keys are the passes' outputs laid side by side: pass 1 (target features) up to t-step+1,
-    then one key per later pass i at position t-step+i, as a decoder drafting step-deep would see.
-    """
-    t = torch.arange(length)[:, None]
-    s = torch.arange(length)[None, :]
-    blocks = [s <= t - step + 1] + [s == t - step + i for i in range(2, step + 1)]
-    return torch.cat(blocks, dim=1)
-
-
-def topk_distill_loss(target_logits: torch.Tensor, draft_logits: torch.Tensor, k: int) -> torch.Tensor:
-    """HASS Top-K distillation, per position: -sum over the target's top-k of p_target * log p_draft."""
-    p = torch.softmax(target_logits.float(), dim=-1)
-    top_p, top_i = p.topk(min(k, p.shape[-1]), dim=-1)
-    return -(top_p * torch.log_softmax(draft_logits.float(), dim=-1).gather(-1, top_i)).sum(-1)
-
-
-@dataclass
-class LossOptions:
-    """The per-method training objective (all three share the network and this loss)."""
-
-    feature_weight: float = 1.0  # SmoothL1 on the predicted feature
-    token_weight: float = 0.1  # soft cross-entropy against the target's distribution
-    passes: int = 1  # HASS harmonized context alignment passes (1 = plain EAGLE)
-    topk: int = 0  # HASS Top-K distillation K (0 = off)
-    topk_weight: float = 0.0
-    topk_after: float = 0.0  # the Top-K term joins once this fraction of the training is done (HASS's recipe: 0.8)
-    beta: float = 1.0  # weight of pass j is beta ** (j - 1)
-    detach: bool = True  # pass j reads pass j-1's prediction without its gradient (HASS); EAGLE-3 keeps it
-
-
-def aligned_passes(net: FeatureNet, inputs, embeds, passes: int, detach: bool = True):
-    """Yield (head_in, predicted feature) for HASS passes 1..passes over a whole batch.
-
-    Pass 1 reads the target's features. Pass j reads, at position t, the drafter's own pass j-1
-    prediction for feature t (detached unless ``detach`` is False: EAGLE-3's training-time test),
-    and attends to keys laid out by ``aligned_mask``.
-    """
-    b, t = inputs.shape[:2]
-    positions = torch.arange(t, device=inputs.device)[None].expand(b, t)
-    cache, current = DynamicCache(), inputs
-    for step in range(1, passes + 1):
-        mask = additive_mask(aligned_mask(t, step), inputs.dtype).to(inputs.device)
-        head_in, pred = net(current, embeds, positions, mask, cache)
-        yield head_in, pred
-        current = torch.cat([inputs[:, :1], (pred.detach() if detach else pred)[:, :-1]], dim=1)
-
-
-def feature_loss(net: FeatureNet, frozen: FrozenTarget, tokens, feats, valid, opts: LossOptions, done: float = 1.0):
-    """Loss over a batch of sequences. ``valid[b, t]``: the prediction made at t counts; ``done``: the
-    fraction of the training made (1.0 outside training).
-
-    Position t reads (feature_t, token_{t+1}) and predicts feature_{t+1}, whose LM-head
-    distribution is the target's distribution for token_{t+2}. ``feats`` may carry tapped layers
-    after the final-norm output (EAGLE-3); the network's ``entry`` picks what it reads.
-    """
-    hidden = frozen.head.shape[1]
-    inputs, goal, valid = net.entry(feats[:, :-1]), feats[:, 1:, :hidden], valid[:, :-1]
-    t = inputs.shape[1]
-    rows = valid.nonzero(as_tuple=True)  # only these reach the LM head: every pass's positions are among them
-    goal = goal[rows]
-    with torch.no_grad():
-        goal_logits = frozen.logits(goal).float()
-        goal_p = torch.softmax(goal_logits, dim=-1)
-        goal_top = goal_logits.argmax(-1)
-    total, stats = 0.0, {}
-    passes = aligned_passes(net, inputs, frozen.embed(tokens[:, 1:]), opts.passes, opts.detach)
-    for step, (head_in, pred) in enumerate(passes, start=1):
-        ok = valid.clone()
-        if step > 1:  # the draft must have started at a valid position too
-            ok[:, step - 1:] &= valid[:, : t - step + 1]
-            ok[:, : step - 1] = False
-        w = ok[rows].float()
-        n = w.sum().clamp_min(1)
-        logits = frozen.logits(head_in[rows]).float()
-        logp = torch.log_softmax(logits, dim=-1)
-        loss = opts.token_weight * (-(goal_p * logp).sum(-1) * w).sum() / n
-        if opts.feature_weight:
-            l_feat = (F.smooth_l1_loss(pred[rows].float(), goal.float(), reduction="none").mean(-1) * w).sum() / n
-            loss = loss + opts.feature_weight * l_feat
-        if opts.topk and done >= opts.topk_after:
-            loss = loss + opts.topk_weight * (topk_distill_loss(goal_logits, logits, opts.topk) * w).sum() / n
-        total = total + opts.beta ** (step - 1) * loss
-        stats[f"acc{step}"] = float(((logits.argmax(-1) == goal_top).float() * w).sum() / n)
-        stats[f"loss{step}"] = float(loss.detach())
-    return total, stats
-
-
 @dataclass
 class TreeSettings(Settings):
     """Dynamic tree: expand the top_k best nodes per depth, then keep the total_tokens best overall.
@@ -195,6 +106,16 @@ class TreeSettings(Settings):
         return [BudgetGrid("depth", "total_tokens", (("top_k", 8),))]
 
 
+@dataclass
+class FeatureState:
+    """One decode's drafter KV cache (accepted positions only, between steps), the committed positions
+    not yet fed to it, and the network's outputs at the last fed position."""
+
+    cache: DynamicCache
+    queue: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (features, next tokens)
+    last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
 class Eagle2Drafter(TrainedDrafter):
     name = "eagle2"
     title = "EAGLE-2: one-layer feature drafter, dynamic draft tree"
@@ -212,51 +133,49 @@ class Eagle2Drafter(TrainedDrafter):
         opts = replace(cls.loss, passes=4, detach=True) if evaluate else cls.loss
         return feature_loss(net, frozen, tokens, feats, valid, opts, done)
 
-    # -- decoding state ---------------------------------------------------------------------
-    def reset(self) -> None:
-        self.cache = DynamicCache()
-        self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []  # (features, next tokens) not yet fed
-        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # outputs at the last fed position
+    # -- decoding -----------------------------------------------------------------------------
+    def start(self) -> FeatureState:
+        return FeatureState(DynamicCache())
 
     @torch.inference_mode()
-    def observe(self, commit: Commit) -> None:
+    def observe(self, state: FeatureState, commit: Commit) -> None:
         nxt = torch.cat([commit.tokens[1:].cpu(), torch.tensor([commit.pending])])
-        self.queue.append((self.features(commit), nxt.to(self.device)))
+        state.queue.append((self.features(commit), nxt.to(self.device)))
 
-    def _step(self, feats, tokens, positions, allowed) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, state: FeatureState, feats, tokens, positions, allowed) -> tuple[torch.Tensor, torch.Tensor]:
         mask = additive_mask(allowed, feats.dtype).to(self.device)
         head_in, feature = self.net(feats[None], self.frozen.embed(tokens)[None], positions[None].to(self.device),
-                                    mask, self.cache)
+                                    mask, state.cache)
         return head_in[0], feature[0]
 
-    def _feed_queue(self) -> int:
-        if self.queue:
-            feats = torch.cat([f for f, _ in self.queue])
-            tokens = torch.cat([t for _, t in self.queue])
-            self.queue = []
-            past, n = self.cache.get_seq_length(), tokens.numel()
+    def _feed_queue(self, state: FeatureState) -> int:
+        if state.queue:
+            feats = torch.cat([f for f, _ in state.queue])
+            tokens = torch.cat([t for _, t in state.queue])
+            state.queue = []
+            past, n = state.cache.get_seq_length(), tokens.numel()
             allowed = torch.ones(n, past + n, dtype=torch.bool).tril(past)
-            head_in, feature = self._step(feats, tokens, torch.arange(past, past + n), allowed)
-            self.last = (head_in[-1], feature[-1])
-        return self.cache.get_seq_length()
+            head_in, feature = self._step(state, feats, tokens, torch.arange(past, past + n), allowed)
+            state.last = (head_in[-1], feature[-1])
+        return state.cache.get_seq_length()
 
     @torch.inference_mode()
-    def propose(self, request: DraftRequest) -> DraftTree:
+    def propose(self, state: FeatureState, request: DraftRequest) -> DraftTree:
         depth = min(self.settings.depth, request.max_depth)
-        accepted = self._feed_queue()
-        if depth < 1 or self.last is None:
+        accepted = self._feed_queue(state)
+        if depth < 1 or state.last is None:
             return DraftTree.empty()
         try:
-            return self._expand(accepted, depth)
+            return self._expand(state, accepted, depth)
         finally:
-            drop = self.cache.get_seq_length() - accepted
+            drop = state.cache.get_seq_length() - accepted
             if drop > 0:
-                self.cache.crop(-drop)
+                state.cache.crop(-drop)
 
-    def _expand(self, accepted: int, depth: int) -> DraftTree:
+    def _expand(self, state: FeatureState, accepted: int, depth: int) -> DraftTree:
         """EAGLE-2's dynamic tree: grow the top_k best frontier nodes per depth, then rerank."""
         k, budget = self.settings.top_k, self.settings.total_tokens
-        head_in, feature = self.last
+        head_in, feature = state.last
         logp = torch.log_softmax(self.frozen.logits(head_in[None]).float(), dim=-1)[0]
         score, tok = (t.cpu() for t in logp.topk(min(k, logp.numel())))  # the tree's bookkeeping is on the CPU
         # every candidate, level by level; a node's global id is its index in the concatenation
@@ -273,7 +192,7 @@ class Eagle2Drafter(TrainedDrafter):
                                  torch.cat([front_anc, torch.eye(m, dtype=torch.bool)], dim=1)])
             allowed = torch.cat([torch.ones(m, accepted, dtype=torch.bool), fed_anc[f0:]], dim=1)
             positions = torch.full((m,), accepted - 1 + d)
-            head_in, feats = self._step(front_feat, self.frozen.vocab_map[front_tok], positions, allowed)
+            head_in, feats = self._step(state, front_feat, self.frozen.vocab_map[front_tok], positions, allowed)
             logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)  # [m, V']
             child_logp, child_tok = (t.cpu() for t in logp.topk(min(k, logp.shape[-1]), dim=-1))  # [m, k]
             child_score = (front_score[:, None] + child_logp).reshape(-1)

@@ -28,7 +28,8 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 from specviz.core.protocol import Commit
 from specviz.core.target import cache_kwarg
 
-from .eagle2 import Eagle2Drafter, LossOptions, layer_config
+from .eagle2 import Eagle2Drafter, layer_config
+from .training.losses import LossOptions
 
 
 def fusion_layers(num_layers: int) -> tuple[int, int, int]:
@@ -71,8 +72,8 @@ class FusedNet(nn.Module):
 class Eagle3Drafter(Eagle2Drafter):
     name = "eagle3"
     title = "EAGLE-3: fused low/mid/high features, training-time test, dynamic draft tree"
-    # 5 unrolled passes (the reference code unrolls 7): on a 2-core CPU a 4,096-token step measured about 7 s
-    # at 5 passes and 15 s at 7 (every pass attends to the keys of all the passes before it)
+    # 5 unrolled passes (the reference code unrolls 7): a step's cost grows faster than the passes (every
+    # pass attends to the keys of all the passes before it), so 5 keeps a step affordable on a CPU
     loss = LossOptions(feature_weight=0.0, token_weight=1.0, passes=5, beta=0.8, detach=False)
 
     def __init__(self, target, settings):

@@ -7,7 +7,8 @@ back. Loss: 0.1 * token loss + feature loss.
 
 from __future__ import annotations
 
-from .eagle2 import Eagle2Drafter, LossOptions
+from .eagle2 import Eagle2Drafter
+from .training.losses import LossOptions
 
 
 class FspadDrafter(Eagle2Drafter):

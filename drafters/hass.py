@@ -8,7 +8,8 @@ then 10 with the Top-K term), the Top-K term joins for the last fifth of the tra
 
 from __future__ import annotations
 
-from .eagle2 import Eagle2Drafter, LossOptions
+from .eagle2 import Eagle2Drafter
+from .training.losses import LossOptions
 
 
 class HassDrafter(Eagle2Drafter):

@@ -4,7 +4,8 @@ Medusa, ReDrafter and semi-autoregressive drafting share this file. Each step th
 target's (final-normed) hidden state at the last committed position, and the root token the
 target just produced, and draft the tokens after the root. A small network feeds the target's
 frozen LM head over the draft vocabulary, through a learned projection. Networks follow one
-protocol, used teacher-forced in training and by beam search at decoding time:
+protocol, used teacher-forced in training (``drafters.training.losses.chain_loss``) and by beam search
+at decoding time:
 
     start(x, e_root) -> state           state: a tuple of tensors, one row per beam/position
     head(state, x, depth) -> [rows, H]  the LM-head input for the draft token at ``depth``
@@ -25,6 +26,7 @@ from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings
 from specviz.core.tree import DraftTree
 
 from .trained import TrainedDrafter
+from .training.losses import chain_loss
 
 DEPTH = 4  # draft tokens per position in training (K = 4 as in the semi-AR paper)
 
@@ -40,72 +42,6 @@ class ResBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.silu(self.linear(x))
-
-
-def teacher_forced(net: nn.Module, frozen, tokens: torch.Tensor, feats: torch.Tensor, depth: int,
-                   rows: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """LM-head inputs for depths 1..depth: position t reads x_t, root t+1 and the true tokens after it.
-
-    Each is [B, T, H], or [len(rows), H] for only the flat positions ``rows`` of [B*T] when given.
-    """
-    b, t = tokens.shape
-    x = feats.reshape(b * t, -1)
-    dense = rows is None
-    rows = torch.arange(b * t, device=x.device) if dense else rows
-    x = x[rows]
-
-    def embed(shift: int) -> torch.Tensor:  # token t+shift at position t (wraps past the end: masked out)
-        return frozen.embed(torch.roll(tokens, -shift, dims=1).reshape(-1)[rows]).to(x.dtype)
-
-    state, outs = net.start(x, embed(1)), []
-    for d in range(1, depth + 1):
-        out = net.head(state, x, d)
-        outs.append(out.reshape(b, t, -1) if dense else out)
-        if d < depth:
-            state = net.advance(state, embed(1 + d), d)
-    return outs
-
-
-def chain_loss(net, frozen, tokens, feats, valid, depth: int = DEPTH, evaluate: bool = False):
-    """Soft cross-entropy against the target's own distribution for each drafted token.
-
-    The draft at position t and depth d is token t+1+d; the target's distribution for it is its
-    LM head on feature t+d. ``valid[b, t]``: position t predicts inside the answer, and depth d
-    counts where t+d is valid too. Only those positions go through the network and the LM head
-    (padding and prompts would be more than a quarter of the work). With ``evaluate``, also the
-    share of positions where the target's top token is rank r of the draft.
-    """
-    b, t = tokens.shape
-    flat_valid = valid.reshape(-1)
-    rows = flat_valid.nonzero().squeeze(1)  # flat positions whose depth-1 draft counts
-    keeps, needed = [], torch.zeros_like(flat_valid)
-    for d in range(1, depth + 1):
-        ahead = rows + d
-        keep = (ahead % t >= d) & flat_valid[ahead.clamp(max=b * t - 1)]  # t+d: same sequence, and valid
-        keeps.append(keep)
-        needed[ahead[keep]] = True
-    with torch.no_grad():
-        goal_rows = needed.nonzero().squeeze(1)
-        goal_logits = frozen.logits(feats.reshape(b * t, -1)[goal_rows]).float()
-        goal_p, goal_top = torch.softmax(goal_logits, dim=-1), goal_logits.argmax(-1)
-        goal_index = torch.zeros(b * t, dtype=torch.long, device=rows.device)
-        goal_index[goal_rows] = torch.arange(goal_rows.numel(), device=rows.device)
-    total, stats = 0.0, {}
-    for d, head_in in enumerate(teacher_forced(net, frozen, tokens, feats, depth, rows), start=1):
-        keep = keeps[d - 1]
-        n = max(int(keep.sum()), 1)
-        at = goal_index[rows[keep] + d]
-        logits = frozen.logits(head_in[keep]).float()
-        loss = -(goal_p[at] * torch.log_softmax(logits, dim=-1)).sum() / n
-        total = total + loss
-        top = goal_top[at]
-        stats[f"acc{d}"] = float((logits.argmax(-1) == top).float().sum() / n)
-        stats[f"loss{d}"] = float(loss.detach())
-        if evaluate:
-            rank = (logits > logits.gather(-1, top[:, None])).sum(-1)
-            for r in range(8):
-                stats[f"rank{d}_{r}"] = float((rank == r).float().sum() / n)
-    return total, stats
 
 
 @torch.inference_mode()
@@ -153,6 +89,14 @@ class BeamSettings(Settings):
         return [BudgetGrid("length", None, (("width", w),), depths=tuple(range(1, cls.longest + 1))) for w in (1, 4)]
 
 
+@dataclass
+class HeadState:
+    """One decode's view for the heads: the feature at the last committed position and the pending root."""
+
+    x: torch.Tensor | None = None  # [1, H]
+    root: int | None = None
+
+
 class HeadDrafter(TrainedDrafter):
     """A trained network on the target's last hidden state; drafts by beam search (Medusa overrides)."""
 
@@ -171,19 +115,18 @@ class HeadDrafter(TrainedDrafter):
     def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False, done: float = 1.0):
         return chain_loss(net, frozen, tokens, feats, valid, DEPTH, evaluate)
 
-    def reset(self) -> None:
-        self.x: torch.Tensor | None = None  # [1, H] the feature at the last committed position
-        self.root: int | None = None
+    def start(self) -> HeadState:
+        return HeadState()
 
     @torch.inference_mode()
-    def observe(self, commit: Commit) -> None:
-        self.x = self.features(commit)[-1:]
-        self.root = commit.pending
+    def observe(self, state: HeadState, commit: Commit) -> None:
+        state.x = self.features(commit)[-1:]
+        state.root = commit.pending
 
     @torch.inference_mode()
-    def propose(self, request: DraftRequest) -> DraftTree:
+    def propose(self, state: HeadState, request: DraftRequest) -> DraftTree:
         length = min(self.settings.length, request.max_depth)
-        if length < 1 or self.x is None:
+        if length < 1 or state.x is None:
             return DraftTree.empty()
-        beams, logps = beam_search(self.net, self.frozen, self.x, self.root, self.settings.width, length)
+        beams, logps = beam_search(self.net, self.frozen, state.x, state.root, self.settings.width, length)
         return DraftTree.from_beams(beams.cpu(), logps.cpu())

@@ -13,7 +13,7 @@ prefix. Both branches are ordinary draft nodes: whatever the target's rule accep
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,16 @@ class LookaheadSettings(Settings):
                 for w in (2, 8)]  # 8 budgets: each costs a warm-up at the app's first start
 
 
+@dataclass
+class LookaheadState:
+    """One decode's Jacobi levels and n-gram pool."""
+
+    levels: list[list[int]] = field(default_factory=list)  # levels[l][j]: the Jacobi guess at column j, level l
+    pool: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)  # first token -> next n - 1, newest last
+    last_level: list[int] = field(default_factory=list)  # verify-input indices of the deepest level's nodes
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+
 class LookaheadDrafter(Drafter):
     name = "lookahead"
     title = "Lookahead decoding: Jacobi iterations + n-gram pool (training-free)"
@@ -44,42 +54,38 @@ class LookaheadDrafter(Drafter):
     def __init__(self, target=None, settings: LookaheadSettings | None = None):
         self.settings = settings or LookaheadSettings()
         self.max_length = getattr(target, "max_length", 1 << 30)
-        self.reset()
 
-    def reset(self) -> None:
-        self.levels: list[list[int]] = []  # levels[l][j]: the Jacobi guess at column j, level l
-        self.pool: dict[int, list[tuple[int, ...]]] = {}  # first token -> following n - 1 tokens, newest last
-        self.last_level: list[int] = []  # verify-input indices of the deepest level's nodes
-        self.rng = random.Random(0)
+    def start(self) -> LookaheadState:
+        return LookaheadState()
 
-    def observe(self, commit: Commit) -> None:
+    def observe(self, state: LookaheadState, commit: Commit) -> None:
         if commit.verified_top is None:  # the prefill: start level 0 from tokens of the prompt
             prompt = commit.tokens.tolist()
-            self.levels = [[self.rng.choice(prompt) for _ in range(self.settings.window)]]
+            state.levels = [[state.rng.choice(prompt) for _ in range(self.settings.window)]]
             return
-        if not self.last_level:  # no tree was drafted this step (the run's last token)
+        if not state.last_level:  # no tree was drafted this step (the run's last token)
             return
-        new = commit.verified_top[self.last_level].tolist()  # the target's next token after each column
-        self.last_level, deepest = [], self.levels[-1]
-        if len(self.levels) == self.settings.ngram - 1:
+        new = commit.verified_top[state.last_level].tolist()  # the target's next token after each column
+        state.last_level, deepest = [], state.levels[-1]
+        if len(state.levels) == self.settings.ngram - 1:
             for j in range(len(new)):
-                self._remember(tuple(level[j] for level in self.levels) + (new[j],))
-            self.levels = self.levels[1:]
-        self.levels.append(new + deepest[len(new):])  # columns cut near the context's end keep their guess
+                self._remember(state, tuple(level[j] for level in state.levels) + (new[j],))
+            state.levels = state.levels[1:]
+        state.levels.append(new + deepest[len(new):])  # columns cut near the context's end keep their guess
 
-    def _remember(self, gram: tuple[int, ...]) -> None:
-        grams = self.pool.setdefault(gram[0], [])
+    def _remember(self, state: LookaheadState, gram: tuple[int, ...]) -> None:
+        grams = state.pool.setdefault(gram[0], [])
         if gram[1:] in grams:
             grams.remove(gram[1:])
         grams.append(gram[1:])
         del grams[: -max(self.settings.guesses, 1) * 4]  # keep the newest few per first token
 
-    def propose(self, request: DraftRequest) -> DraftTree:
+    def propose(self, state: LookaheadState, request: DraftRequest) -> DraftTree:
         root, room = request.tokens[-1], min(request.max_depth, self.max_length - len(request.tokens))
         tokens, parents = [], []
         # verification branch: pooled n-grams after the root, merged into a trie (parents first)
         trie: dict[tuple[int, ...], int] = {}
-        guesses = list(reversed(self.pool.get(root, [])))[: self.settings.guesses]
+        guesses = list(reversed(state.pool.get(root, [])))[: self.settings.guesses]
         for gram in guesses:
             for d in range(1, min(len(gram), room) + 1):
                 if gram[:d] not in trie:
@@ -88,19 +94,19 @@ class LookaheadDrafter(Drafter):
                     trie[gram[:d]] = len(tokens)
         candidates = len(tokens)
         # lookahead branch: level 0 a chain off the root, each later level one node under each column
-        width = min(self.settings.window, max(room - len(self.levels) + 1, 0))
+        width = min(self.settings.window, max(room - len(state.levels) + 1, 0))
         column: list[int] = []
         for j in range(width):
-            tokens.append(self.levels[0][j])
+            tokens.append(state.levels[0][j])
             parents.append(column[-1] if column else 0)
             column.append(len(tokens))
-        for level in self.levels[1:]:
+        for level in state.levels[1:]:
             for j in range(width):
                 tokens.append(level[j])
                 parents.append(column[j])
                 column[j] = len(tokens)
-        self.last_level = column
+        state.last_level = column
         tree = DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
         tree.info.update(candidates=candidates, lookahead=len(tokens) - candidates,
-                         levels=len(self.levels), window=width)
+                         levels=len(state.levels), window=width)
         return tree

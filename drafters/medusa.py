@@ -20,7 +20,7 @@ from specviz.core.errors import SettingsError
 from specviz.core.protocol import BudgetGrid, DraftRequest, Settings
 from specviz.core.tree import DraftTree
 
-from .heads import DEPTH, HeadDrafter, ResBlock
+from .heads import DEPTH, HeadDrafter, HeadState, ResBlock
 
 
 class MedusaHeads(nn.Module):
@@ -102,11 +102,11 @@ class MedusaDrafter(HeadDrafter):
         self.keep_order[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
 
     @torch.inference_mode()
-    def propose(self, request: DraftRequest) -> DraftTree:
+    def propose(self, state: HeadState, request: DraftRequest) -> DraftTree:
         depth = min(self.settings.heads, request.max_depth)
-        if depth < 1 or self.x is None:
+        if depth < 1 or state.x is None:
             return DraftTree.empty()
-        head_in = torch.cat([self.net.head((), self.x, d) for d in range(1, depth + 1)])
+        head_in = torch.cat([self.net.head((), state.x, d) for d in range(1, depth + 1)])
         logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)  # [depth, V']
         top_logp, top = logp.topk(self.settings.top_k, dim=-1)
         n = int((self.depth_of < depth).sum())  # choices are sorted by length: the shallow ones come first

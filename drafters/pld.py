@@ -46,6 +46,6 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, target=None, settings: PromptLookupSettings | None = None):
         self.settings = settings or PromptLookupSettings()
 
-    def propose(self, request: DraftRequest) -> DraftTree:
+    def propose(self, state, request: DraftRequest) -> DraftTree:
         found, at, n = lookup(torch.tensor(request.tokens), self.settings, request.max_depth)
         return DraftTree.chain(found, ngram=request.tokens[at: at + n], ngram_at=at) if n else DraftTree.chain(found)

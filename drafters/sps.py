@@ -23,8 +23,9 @@ class AssistantSettings(Settings):
 
 
 def check_same_vocab(target, model, tokenizer) -> None:
-    if target.tokenizer is not None and tokenizer is not None:
-        if target.tokenizer.get_vocab() != tokenizer.get_vocab():
+    mine = target.text.tokenizer
+    if mine is not None and tokenizer is not None:
+        if mine.get_vocab() != tokenizer.get_vocab():
             raise SettingsError("the assistant's tokenizer differs from the target's; "
                                 "speculative sampling needs the same one")
     rows = model.get_output_embeddings().weight.shape[0]

@@ -1,7 +1,7 @@
 """The base of every trained drafter: the training protocol, checkpoint loading, feature handling.
 
 A trained method is a ``TrainedDrafter`` subclass that declares its network and its loss (the two
-class methods the one training pipeline, ``drafters/train.py``, calls) and its decoding. Loading a
+class methods the one training loop, ``drafters/training/loop.py``, calls) and its decoding. Loading a
 checkpoint, restoring the network beside the target's frozen head, counting parameters and moving
 the target's features to the drafter are done here, once.
 """
@@ -31,7 +31,6 @@ class TrainedDrafter(Drafter):
         self.device, self.dtype = target.device, target.dtype
         self.hidden_size = target.config.hidden_size
         self.check_settings(settings)
-        self.reset()
 
     # -- the training protocol ----------------------------------------------------------------
     @classmethod

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,14 +28,25 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory):
     """The tests' budgets, features and runs go to a cache of their own, not the user's; only the embedded
-    model's one-time conversion is shared (linked when the user's cache has it)."""
+    model's one-time conversion is shared (linked when the user's cache has it). The session's tiny
+    checkpoints are trained into it too (``session_checkpoint``)."""
     user, root = cache_dir(), tmp_path_factory.mktemp("specviz-cache")
     if (user / "smollm2-135m-instruct" / "config.json").exists():
         (root / "smollm2-135m-instruct").symlink_to(user / "smollm2-135m-instruct")
+    _TRAINED["root"] = root / "tiny-checkpoints"
     patch = pytest.MonkeyPatch()
     patch.setenv("SPECVIZ_CACHE", str(root))
     yield root
     patch.undo()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    """The app tests' tiny target folder (``app_harness.tiny_target_folder``), one per test run: its path is
+    part of the tuner's cache key, so every app started on it after the first reads its budgets from the cache."""
+    from app_harness import tiny_target_folder
+
+    return tiny_target_folder(tmp_path_factory.mktemp("tiny-app-target") / "target")
 
 
 def make_llama(vocab_size: int = 32, seed: int = 0, num_layers: int = 2, std: float = 0.2,
@@ -130,8 +144,10 @@ def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: i
     from accelerate.state import AcceleratorState
 
     from drafters import METHODS
-    from drafters.corpus import extract_features, self_distill
-    from drafters.train import TrainConfig, train
+    from drafters.training.config import TrainConfig
+    from drafters.training.distill import self_distill
+    from drafters.training.features import extract_features
+    from drafters.training.loop import train
 
     vocab = target.vocab_size
     gen = torch.Generator().manual_seed(seed)
@@ -145,3 +161,33 @@ def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: i
     AcceleratorState._reset_state(reset_partial_state=True)
     train(METHODS[method][0], target, data, data, cfg, {"source": "random prompts, self-distilled"}, out=folder)
     return folder
+
+
+_TRAINED: dict = {}  # "root": the session's folder for them; (target's fingerprint, method, epochs, seed) -> folder
+
+
+def target_fingerprint(target: TargetModel) -> str:
+    """What a tiny checkpoint trained for ``target`` depends on: its config, weights, kernels, dtype and EOS."""
+    digest = hashlib.sha1(json.dumps([target.model.config.to_json_string(), getattr(target, "kernels", None),
+                                      str(target.dtype), sorted(target.text.eos_token_ids)], default=str).encode())
+    for name, tensor in target.model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def session_checkpoint(target: TargetModel, method: str, epochs: int = 3, seed: int = 0) -> Path:
+    """``train_tiny_drafter``'s checkpoint for ``target``, trained once per test run and shared by every module
+    that asks for the same (target weights, method, epochs, seed). Read-only: copy it before editing it."""
+    key = (target_fingerprint(target), method, epochs, seed)
+    if key not in _TRAINED:
+        root = _TRAINED.get("root") or Path(tempfile.mkdtemp(prefix="specviz-checkpoints-"))
+        _TRAINED[key] = train_tiny_drafter(target, method, root / f"{method}-{epochs}-{seed}-{key[0][:12]}",
+                                           epochs, seed)
+    return _TRAINED[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint():
+    """Factory: ``tiny_checkpoint(target, method, epochs=3, seed=0)``, the session's shared checkpoint folder."""
+    return session_checkpoint

@@ -14,13 +14,12 @@ import pytest
 pytest.importorskip("gradio_client")
 from gradio_client import Client  # noqa: E402
 
-from app_harness import ROOT, RunningApp, tiny_target_folder  # noqa: E402
+from app_harness import ROOT, RunningApp  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    folder = tiny_target_folder(tmp_path_factory.mktemp("tiny") / "target")
-    running = RunningApp(folder)
+def app(tiny_target_dir):
+    running = RunningApp(tiny_target_dir)
     yield running
     running.close()
 
@@ -165,8 +164,8 @@ def test_benchmark_streams_a_table_per_prompt(client):
     assert [row[0] for row in table["data"]] == ["ar", "pld"] and csv
 
 
-def test_a_full_queue_turns_callers_away_and_the_server_goes_on(tmp_path):
-    app = RunningApp(tiny_target_folder(tmp_path / "target"), SPECVIZ_QUEUE_SIZE="1")
+def test_a_full_queue_turns_callers_away_and_the_server_goes_on(tiny_target_dir):
+    app = RunningApp(tiny_target_dir, SPECVIZ_QUEUE_SIZE="1")
     try:
         client = Client(app.url, verbose=False)
         jobs = [client.submit("Write a long story.", ["ar", "pld"], 512, api_name="/compare") for _ in range(4)]

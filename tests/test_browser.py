@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from app_harness import ROOT, RunningApp, tiny_target_folder
+from app_harness import ROOT, RunningApp
 
 CHROMIUM = Path("/usr/bin/chromium")
+CHECK = ROOT / "scripts" / "browser_check.py"  # drives the page and reports what it saw, as JSON
 ARTIFACTS = Path(os.environ.get("SPECVIZ_ARTIFACTS", ROOT / "artifacts"))
 needs_browser = pytest.mark.skipif(
     not CHROMIUM.exists() and not os.environ.get("CI"),  # in CI a missing browser fails the test instead
@@ -20,12 +21,12 @@ needs_browser = pytest.mark.skipif(
 
 
 @needs_browser
-def test_page_runs_two_methods_and_renders_tokens_and_plots(tmp_path):
+def test_page_runs_two_methods_and_renders_tokens_and_plots(tiny_target_dir):
     pytest.importorskip("playwright")
-    app = RunningApp(tiny_target_folder(tmp_path / "target"))
+    app = RunningApp(tiny_target_dir)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     try:
-        done = subprocess.run([sys.executable, str(ROOT / "tests" / "browser_check.py"), app.url, "--methods", "ar,pld",
+        done = subprocess.run([sys.executable, str(CHECK), app.url, "--methods", "ar,pld",
                                "--max-new-tokens", "40", "--screenshot", str(ARTIFACTS / "app.png")],
                               capture_output=True, text=True, timeout=600)
     finally:
@@ -42,23 +43,24 @@ def test_page_runs_two_methods_and_renders_tokens_and_plots(tmp_path):
 
 
 @needs_browser
-def test_every_method_in_columns_that_never_overlap(tmp_path):
+def test_every_method_in_columns_that_never_overlap(tiny_target_dir, tiny_checkpoint, tmp_path):
     """Every method (tiny drafters trained for the tiny target, the target itself as sps's assistant):
     at 1280 and 1920 px no two columns overlap and no token leaves its column."""
     pytest.importorskip("playwright")
-    from conftest import train_tiny_drafter
+    import shutil
+
     from drafters import METHODS
     from specviz.core.load import load_target
 
-    folder = tiny_target_folder(tmp_path / "target")
+    folder = tiny_target_dir
     target = load_target(str(folder), "float32", "cpu")
     trained = [m for m, (cls, _) in METHODS.items() if cls.trained]
     for m in trained:
-        train_tiny_drafter(target, m, tmp_path / "drafters" / m, epochs=1)
+        shutil.copytree(tiny_checkpoint(target, m, epochs=1), tmp_path / "drafters" / m)
     app = RunningApp(folder, SPECVIZ_DRAFTERS=str(tmp_path / "drafters"), SPECVIZ_ASSISTANT=str(folder))
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     try:
-        done = subprocess.run([sys.executable, str(ROOT / "tests" / "browser_check.py"), app.url,
+        done = subprocess.run([sys.executable, str(CHECK), app.url,
                                "--methods", ",".join(METHODS), "--max-new-tokens", "24", "--layout-widths", "1280,1920",
                                "--step-through", "eagle2,redrafter", "--controls", "eagle2",
                                "--screenshot", str(ARTIFACTS / "app-all.png")],

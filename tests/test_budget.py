@@ -90,7 +90,7 @@ def test_a_budget_slower_than_ar_says_so():
 
 
 def record(tree: DraftTree, path: list[int], step: int = 1) -> StepRecord:
-    return StepRecord(step, tree, path, [0] * (len(path) + 1), 0, torch.zeros(len(tree)), 1.0)
+    return StepRecord(step=step, tree=tree, path=path, tokens=[0] * (len(path) + 1), bonus=0)
 
 
 def test_the_replay_keeps_the_best_ranked_nodes_and_the_accepted_prefix():
@@ -132,9 +132,9 @@ def test_a_smaller_budget_drafts_the_best_ranked_nodes_of_a_larger_one(method, b
 
     def draft(settings) -> DraftTree:
         drafter = build_drafter(method, target, checkpoint=str(checkpoints[method]), **settings)
-        drafter.reset()
-        drafter.observe(Commit(torch.tensor(prompt), features, 7))
-        return drafter.propose(DraftRequest(prompt + [7], 64, Sampling()))
+        state = drafter.start()
+        drafter.observe(state, Commit(torch.tensor(prompt), features, 7))
+        return drafter.propose(state, DraftRequest(prompt + [7], 64, Sampling()))
 
     large = draft(big)
     paths = {tuple(large.tokens[n - 1].item() for n in path) for path in large.paths()}
@@ -172,12 +172,12 @@ def test_feeding_the_drafter_is_the_draft_time_less_each_steps_own_proposal():
     records, left = [], []
     for accepted in ([3, 2, 4, 1, 5, 0], [7, 6]):  # two warm-up prompts: a prefill, then their steps
         produced = 1
-        records.append(StepRecord(0, DraftTree.empty(), [], [9], 9, torch.zeros(0), 1.0))
+        records.append(StepRecord(step=0, tree=DraftTree.empty(), path=[], tokens=[9], bonus=9))
         for a in accepted:
             cap = min(8, WARMUP_TOKENS - produced - 1)
             left.append(cap)
-            r = StepRecord(1, DraftTree.chain(list(range(max(cap, 1)))), list(range(1, a + 1)), [9] * (a + 1), 9,
-                           torch.zeros(max(cap, 1)), 1.0)
+            r = StepRecord(step=1, tree=DraftTree.chain(list(range(max(cap, 1)))), path=list(range(1, a + 1)),
+                           tokens=[9] * (a + 1), bonus=9)
             r.timings.draft = (3.0 + (propose(cap) if cap > 0 else 0.0)) / 1000
             records.append(r)
             produced += a + 1
@@ -244,7 +244,7 @@ def test_warm_up_uses_the_held_out_prompts_that_fit_the_context():
     import transformers
 
     from conftest import make_llama
-    from drafters.corpus import is_validation
+    from drafters.training.sharegpt import is_validation
     from specviz.apps import tuning
     from specviz.core.load import embedded_folder
 
@@ -253,7 +253,7 @@ def test_warm_up_uses_the_held_out_prompts_that_fit_the_context():
     shipped = json.loads(tuning.WARMUP_FILE.read_text())["prompts"]
     assert len(shipped) == 8 and all(is_validation(p["id"], 0.02) for p in shipped)  # the training split's held-out
     roomy = TargetModel(model, tokenizer)
-    assert tuning._prompts(roomy) == [roomy.encode_chat(p) for p in tuning.WARMUP_PROMPTS]
+    assert tuning._prompts(roomy) == [roomy.text.encode_chat(p) for p in tuning.warmup_prompts()]
     model.config.max_position_embeddings = 160
     tight = TargetModel(model, tokenizer)
     kept = tuning._prompts(tight)
@@ -275,9 +275,9 @@ def test_the_tuner_drafts_before_it_times(target, checkpoints, monkeypatch, tmp_
         propose = drafter.propose
         drafts[id(drafter)] = 0
 
-        def counted(request):
+        def counted(state, request):
             drafts[id(drafter)] += 1
-            return propose(request)
+            return propose(state, request)
 
         drafter.propose = counted
         return drafter
@@ -290,3 +290,29 @@ def test_the_tuner_drafts_before_it_times(target, checkpoints, monkeypatch, tmp_
     monkeypatch.setattr(tuning, "run", timed_run)
     tuning.tune(target, "eagle2", {"checkpoint": str(checkpoints["eagle2"])})
     assert timed and min(timed) > 0
+
+
+def test_the_warm_up_prompts_are_read_on_first_use_not_at_import(tmp_path, monkeypatch):
+    """Importing the tuner opens no data file; the prompts are read once, when first asked for."""
+    import subprocess
+    import sys
+
+    from specviz.apps import tuning
+
+    code = ("import sys\nopened = []\n"
+            "sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == 'open' else None)\n"
+            "import specviz.apps.tuning\n"
+            "print(sum('warmup_prompts' in name for name in opened))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "0"
+    other = tmp_path / "warmup.json"
+    other.write_text(json.dumps({"prompts": [{"prompt": "Say hi."}]}))
+    monkeypatch.setattr(tuning, "WARMUP_FILE", other)
+    tuning.warmup_prompts.cache_clear()
+    try:
+        assert tuning.warmup_prompts() == ("Say hi.",)
+        other.unlink()  # cached: not read again
+        assert tuning.warmup_prompts() == ("Say hi.",)
+    finally:
+        tuning.warmup_prompts.cache_clear()

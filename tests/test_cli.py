@@ -3,9 +3,9 @@
 import json
 import lzma
 import re
-from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from conftest import make_llama
@@ -84,202 +84,6 @@ def test_bench_saves_each_finished_prompt_before_the_run_ends(tiny_folder, tmp_p
     assert saved["methods"]["pld"]["prompts"] == 2 and saved["questions"] == str(questions)
 
 
-def _count_bench(tiny_folder: str, tmp_path: Path, prompts: int) -> tuple[Path, list[str]]:
-    """A bench of ar and pld over ``prompts`` short questions, writing to the returned path (``--out`` last)."""
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(prompts)))
-    out = tmp_path / "r.json"
-    return out, ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
-                 "--max-new-tokens", "6", "--out", str(out)]
-
-
-def _kill_bench_after(monkeypatch, runs: int) -> list:
-    """Make the bench's ``run`` raise SystemExit after ``runs`` calls; returns the list that counts them."""
-    import specviz.apps.bench
-
-    real_run, calls = getattr(specviz.apps.bench.run, "real", specviz.apps.bench.run), []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > runs:
-            raise SystemExit("killed")
-        return real_run(*args, **kwargs)
-
-    counted.real = real_run
-    monkeypatch.setattr(specviz.apps.bench, "run", counted)
-    return calls
-
-
-def test_a_killed_bench_resumes_where_it_stopped(tiny_folder, tmp_path, monkeypatch):
-    """Killed at prompt 3 of 3, then --resume: only prompt 3 runs, and the results equal an unbroken run's."""
-    import specviz.apps.bench
-
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(3)))
-    command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
-               "--max-new-tokens", "6"]
-    real_run, calls = specviz.apps.bench.run, []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        if kill_after is not None and len(calls) > kill_after:
-            raise SystemExit("killed")
-        return real_run(*args, **kwargs)
-
-    monkeypatch.setattr(specviz.apps.bench, "run", counted)
-    out, log = tmp_path / "results.json", tmp_path / "results.json.runs"
-    kill_after = 2 * 2 + 2  # warm-up (2 methods), then 2 prompts x 2 methods
-    with pytest.raises(SystemExit):
-        main([*command, "--out", str(out)])
-    with log.open("ab") as f:
-        f.write(b"\x80\x05\x95half a prompt")  # the prompt being written when the run was killed
-    calls.clear()
-    kill_after = None
-    assert main([*command, "--out", str(out), "--resume"]) == 0
-    assert len(calls) == 2 + 2  # warm-up, then prompt 3 only
-    assert not log.exists()  # a complete run removes its log
-    assert main([*command, "--out", str(tmp_path / "unbroken.json")]) == 0
-    resumed, unbroken = json.loads(out.read_text()), json.loads((tmp_path / "unbroken.json").read_text())
-    assert not resumed["interrupted"]
-    keep = ("id", "prompt_tokens")
-    assert ([{k: r[k] for k in keep} for r in resumed["per_prompt"]]
-            == [{k: r[k] for k in keep} for r in unbroken["per_prompt"]])
-    for label in ("ar", "pld"):
-        for field in ("prompts", "new_tokens", "identical_to_ar", "tau", "alpha_conditional"):
-            assert resumed["methods"][label][field] == unbroken["methods"][label][field], (label, field)
-
-
-def test_resume_needs_the_log_of_the_same_command(tiny_folder, tmp_path, monkeypatch, capsys):
-    questions = tmp_path / "q.jsonl"
-    questions.write_text(json.dumps({"turns": ["Count to 3."]}))
-    command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar,pld",
-               "--out", str(tmp_path / "r.json")]
-    assert main([*command, "--resume"]) == 2
-    assert "nothing to resume" in capsys.readouterr().err
-    import specviz.apps.bench
-
-    monkeypatch.setattr(specviz.apps.bench, "run", lambda *a, **k: (_ for _ in ()).throw(SystemExit("killed")))
-    with pytest.raises(SystemExit):
-        main([*command, "--max-new-tokens", "6"])
-    monkeypatch.undo()
-    assert main([*command, "--max-new-tokens", "7", "--resume"]) == 2
-    assert "other max new tokens" in capsys.readouterr().err
-
-
-def test_a_resume_on_another_machine_is_refused_unless_tau_only(tiny_folder, tmp_path, monkeypatch, capsys):
-    """Speed figures from two machines must not mix: the log names its machine; --any-machine lets a τ run go on."""
-    import specviz.apps.bench
-
-    out, command = _count_bench(tiny_folder, tmp_path, 2)
-    monkeypatch.setattr(specviz.apps.bench, "machine_fingerprint", lambda: "CPU A (AVX2), 2 cores")
-    _kill_bench_after(monkeypatch, 2 + 2)  # warm-up (2 methods), then prompt 1
-    with pytest.raises(SystemExit):
-        main(command)
-    _kill_bench_after(monkeypatch, 10**6)
-    monkeypatch.setattr(specviz.apps.bench, "machine_fingerprint", lambda: "CPU B (AVX512), 2 cores")
-    assert main([*command, "--resume"]) == 2
-    err = capsys.readouterr().err
-    assert "ran on CPU A (AVX2), 2 cores; packed linear weights, not on this machine (CPU B (AVX512), 2 cores" in err
-    assert (tmp_path / "r.json.runs").exists()  # kept, not lost
-    monkeypatch.setattr(specviz.apps.bench, "machine_fingerprint", lambda: "CPU A (AVX2), 2 cores")
-    assert main([*command, "--resume", "--no-pack"]) == 2  # other kernels: other speeds, as on another machine
-    assert "not on this machine (CPU A (AVX2), 2 cores)" in capsys.readouterr().err
-    assert main([*command, "--resume", "--any-machine"]) == 0
-    resumed = json.loads(out.read_text())
-    assert not resumed["interrupted"] and resumed["methods"]["ar"]["prompts"] == 2
-
-
-def test_a_resume_runs_at_the_budgets_its_log_recorded(tiny_folder, tmp_path, monkeypatch):
-    """The tuner would choose otherwise now (a cache lost, say): the resumed prompts still run pld as the first did."""
-    import pickle
-
-    import specviz.apps.bench
-    import specviz.apps.tuning
-
-    out, command = _count_bench(tiny_folder, tmp_path, 2)
-    real_run, real_resolve, ran = specviz.apps.bench.run, specviz.apps.tuning.resolve, []
-
-    def killed_at_prompt_2(target, drafter, *args, **kwargs):
-        ran.append(drafter)
-        if len(ran) > 2 + 2:  # warm-up (2 methods), then prompt 1
-            raise SystemExit("killed")
-        return real_run(target, drafter, *args, **kwargs)
-
-    monkeypatch.setattr(specviz.apps.bench, "run", killed_at_prompt_2)
-    with pytest.raises(SystemExit):
-        main(command)
-    first = json.loads(out.read_text())["methods"]["pld"]["budget"]
-    assert first["tuned"] and first["settings"]["num_tokens"] != 9
-    monkeypatch.setattr(specviz.apps.tuning, "resolve", lambda target, name, settings: (
-        ({"num_tokens": 9}, None) if name == "pld" else real_resolve(target, name, settings)))
-    monkeypatch.setattr(specviz.apps.bench, "run", real_run)
-    assert main([*command, "--resume"]) == 0
-    resumed = json.loads(out.read_text())
-    assert not resumed["interrupted"] and resumed["methods"]["pld"]["budget"] == first
-
-    ran.clear()  # a log from before the budgets' records were kept holds each budget's settings alone
-    monkeypatch.setattr(specviz.apps.bench, "run", killed_at_prompt_2)
-    old = tmp_path / "old.json"
-    with pytest.raises(SystemExit):
-        main([*command[:-1], str(old)])
-    log = old.with_name(old.name + ".runs")
-    with log.open("rb") as f:
-        settings, prompt_1 = pickle.load(f), f.read()
-    settings["budgets"] = {"ar": {}, "pld": {"num_tokens": 3}}
-    log.write_bytes(pickle.dumps(settings) + prompt_1)
-    ran.clear()
-    monkeypatch.setattr(specviz.apps.bench, "run", lambda target, drafter, *a, **k: (
-        ran.append(drafter), real_run(target, drafter, *a, **k))[1])
-    assert main([*command[:-1], str(old), "--resume"]) == 0
-    assert {d.settings.num_tokens for d in ran if type(d).__name__ == "PromptLookupDrafter"} == {3}
-    assert json.loads(old.read_text())["methods"]["pld"]["budget"] == {"settings": {"num_tokens": 3}}
-
-
-def test_a_bench_in_parts_equals_one_run(tiny_folder, tmp_path, monkeypatch, capsys):
-    """A run killed after prompt 1, its other 4 prompts as --part 1/2 and 2/2 (the second killed and resumed),
-    then the full command with --resume: it takes both parts in, runs nothing more, and equals an unbroken run."""
-    out, command = _count_bench(tiny_folder, tmp_path, 5)
-    _kill_bench_after(monkeypatch, 2 + 2)  # warm-up, then prompt 1
-    with pytest.raises(SystemExit):
-        main(command)
-    _kill_bench_after(monkeypatch, 10**6)
-    assert main([*command, "--part", "1/2"]) == 0
-    _kill_bench_after(monkeypatch, 2 + 2)  # part 2 of 2 (prompts 4-5), killed after prompt 4
-    with pytest.raises(SystemExit):
-        main([*command, "--part", "2/2"])
-    part2 = tmp_path / "r.json.part2-of-2.runs"
-    assert json.loads((tmp_path / "r.json.part2-of-2").read_text())["per_prompt"][0]["id"] == "3"
-    calls = _kill_bench_after(monkeypatch, 10**6)
-    assert main([*command, "--part", "2/2", "--resume"]) == 0
-    assert len(calls) == 2 + 2  # warm-up, then prompt 5 only
-    assert main([*command, "--part", "3/2"]) == 2 and "--part takes K/N" in capsys.readouterr().err
-
-    calls = _kill_bench_after(monkeypatch, 10**6)
-    assert main([*command, "--resume"]) == 0
-    assert not calls  # every prompt came from the log and its parts: not even a warm-up runs
-    assert "took in r.json.part1-of-2.runs" in capsys.readouterr().out
-    assert not part2.exists() and not (tmp_path / "r.json.runs").exists() and not list(tmp_path.glob("*part*"))
-    assert main([*command[:-1], str(tmp_path / "unbroken.json")]) == 0
-    parted, unbroken = json.loads(out.read_text()), json.loads((tmp_path / "unbroken.json").read_text())
-    assert not parted["interrupted"] and [r["id"] for r in parted["per_prompt"]] == ["0", "1", "2", "3", "4"]
-    for label in ("ar", "pld"):
-        for field in ("prompts", "new_tokens", "identical_to_ar", "tau", "alpha_conditional", "budget"):
-            assert parted["methods"][label][field] == unbroken["methods"][label][field], (label, field)
-
-
-def test_a_part_of_other_settings_is_refused(tiny_folder, tmp_path, capsys):
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}."]}) for i in range(2)))
-    command = ["bench", "--target", tiny_folder, "--questions", str(questions), "--methods", "ar",
-               "--out", str(tmp_path / "r.json")]
-    assert main([*command, "--max-new-tokens", "5", "--part", "1/1"]) == 0
-    assert main([*command, "--max-new-tokens", "6", "--resume"]) == 2
-    assert "other max new tokens" in capsys.readouterr().err
-    assert (tmp_path / "r.json.part1-of-1.runs").exists()  # kept, not lost
-    assert main([*command, "--max-new-tokens", "5", "--resume"]) == 0
-    assert json.loads((tmp_path / "r.json").read_text())["methods"]["ar"]["prompts"] == 2
-
-
 def test_train_then_generate_with_the_checkpoint(tiny_folder, tmp_path, monkeypatch, capsys):
     """The shared pipeline end to end on real ShareGPT prompts: self-distil, features, train, save, use."""
     monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))
@@ -347,6 +151,11 @@ def test_train_several_at_one_budget_and_resume_skips_the_finished(tiny_folder, 
 
 
 def test_train_rejects_untrained_methods_and_missing_checkpoints(tiny_folder, tmp_path, capsys):
+    from drafters import METHODS
+    from specviz.apps.training import drafters_to_train
+
+    assert drafters_to_train("all") == [n for n, (c, _) in METHODS.items() if c.trained]
+    assert drafters_to_train(" eagle2, hass ") == ["eagle2", "hass"]
     assert main(["train", "--drafter", "pld", "--target", tiny_folder]) == 2
     assert "not a trained drafter" in capsys.readouterr().err
     assert main(["generate", "--target", tiny_folder, "--method", f"hass:checkpoint={tmp_path / 'nothing'}",
@@ -383,6 +192,30 @@ def test_profile_curve(tiny_folder, tmp_path, capsys):
 def test_bad_input_is_a_message_not_a_traceback(tiny_folder, argv, message, capsys):
     assert main([*argv, "--target", tiny_folder]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_stream_colours_accepted_drafts_green_and_target_tokens_yellow():
+    import io
+    from types import SimpleNamespace
+
+    from specviz.apps.generate import GREEN, RESET, YELLOW, stream_coloured
+    from specviz.core.engine import StepRecord
+    from specviz.core.tree import DraftTree
+
+    target = SimpleNamespace(decode=lambda ids: "".join(f"<{t}>" for t in ids))  # one visible piece per token
+    step = StepRecord(step=1, tree=DraftTree.chain([7, 8]), path=[0, 1], tokens=[7, 8, 9], bonus=9,
+                      node_target_p=torch.zeros(2), bonus_target_p=1.0)
+    out = io.StringIO()
+    assert stream_coloured(target, [step], True, out) == [step]
+    assert out.getvalue() == f"{GREEN}<7>{RESET}{GREEN}<8>{RESET}{YELLOW}<9>{RESET}\n"
+    plain = io.StringIO()
+    stream_coloured(target, [step], False, plain)
+    assert plain.getvalue() == "<7><8><9>\n"
+
+
+def test_report_needs_files_or_docs(capsys):
+    assert main(["report"]) == 2
+    assert "report takes one or more results files, or --docs" in capsys.readouterr().err
 
 
 def test_unloadable_target_is_a_message(capsys, monkeypatch):
@@ -433,20 +266,27 @@ def test_report_merges_runs_of_the_same_prompts_and_refuses_others(tiny_folder, 
 
 def test_cards_name_results_files_without_machine_paths(tmp_path):
     from drafters.checkpoint import REPO, read_card
-    from specviz.apps.bench import record_benchmark
+    from specviz.apps.cards import record_benchmark
+    from specviz.apps.results import BenchResult, MethodSummary, RunSampling
 
     folder = tmp_path / "ckpt"
     folder.mkdir()
     (folder / "card.json").write_text(json.dumps({"method": "eagle2", "target": {}}))
     label = f"eagle2:checkpoint={folder}"
-    results = {"methods": {label: {"tau": 1.5, "prompts": 2}}, "questions": "mt-bench", "max_new_tokens": 8,
-               "dtype": "float32", "machine": "cpu", "date": "2026-11-23"}
+
+    def summary(tau: float) -> MethodSummary:
+        return MethodSummary(prompts=2, new_tokens=16, wall_s=1.0, tokens_per_s=16.0, speedup=1.2, identical_to_ar=2,
+                             tau=tau)
+
+    results = BenchResult("embedded", "cpu", "float32", 8, RunSampling(0.0, 1.0, "greedy"), "2026-11-23", "cpu",
+                          {label: summary(1.5)}, [], questions="mt-bench")
     for source, named in [(REPO / "assets" / "bench" / "run.json", "assets/bench/run.json"),
                           (tmp_path / "cache" / "run.json", "run.json")]:
         assert record_benchmark(results, str(source)) == [folder]
         entry = read_card(folder)["mtbench"][label]
         assert entry["results_file"] == named and entry["tau"] == 1.5
-    record_benchmark({**results, "questions": "humaneval", "methods": {label: {"tau": 2.5, "prompts": 2}}}, "h.json")
+    results.questions, results.methods = "humaneval", {label: summary(2.5)}
+    record_benchmark(results, "h.json")
     card = read_card(folder)  # another question set gets its own entry and leaves MT-bench's alone
     assert card["humaneval"][label]["tau"] == 2.5 and card["mtbench"][label]["tau"] == 1.5
 
@@ -461,78 +301,16 @@ def test_profile_uses_its_own_cache_and_times_each_size(tiny_target):
     with pytest.raises(SettingsError, match="context must be in"):
         profile(target, context=0)
     calls, verify = [], target.verify  # the sizes take turns, in a rotated order, round after round
-    target.padding = {"chain": {1: 4, 2: 4}}  # the profile times each size as it is, never padded
-    target.verify = lambda root, tree, cache, pad: calls.append((len(tree) + 1, pad)) or verify(root, tree, cache, pad)
+    target.verify = lambda root, tree, cache, padding=None: calls.append((len(tree) + 1, padding)) or verify(
+        root, tree, cache, padding)
     profile(target, context=8, sizes=(1, 2, 4), repeats=2)
-    assert calls == [(n, False) for n in (1, 2, 4, 2, 4, 1, 4, 1, 2)]
+    assert calls == [(n, None) for n in (1, 2, 4, 2, 4, 1, 4, 1, 2)]  # the profile times each size as it is
 
 
-def test_run_log_keeps_finished_prompts_and_drops_a_torn_one(tmp_path):
-    from specviz.apps.bench import PromptRun
-    from specviz.apps.runlog import RunLog
+def test_method_specs_name_drafters_and_transformers_baselines():
+    from specviz.apps.methods import is_baseline, parse_method
 
-    path = tmp_path / "results.json.runs"
-    log = RunLog(path, {"methods": ["ar"], "max new tokens": 8})
-    log.start()
-    log.append({"ar": PromptRun([1, 2], 0.5)})
-    log.append({"ar": PromptRun([3], 0.25)})
-    size = path.stat().st_size
-    with path.open("ab") as f:
-        f.write(b"\x80\x04torn")  # a prompt cut short by a kill
-    runs = RunLog(path, {"methods": ["ar"], "max new tokens": 8}).resume()
-    assert [r.output for r in runs["ar"]] == [[1, 2], [3]] and path.stat().st_size == size
-    with pytest.raises(SettingsError, match="other max new tokens"):
-        RunLog(path, {"methods": ["ar"], "max new tokens": 16}).resume()
-
-
-def test_parts_started_together_share_the_first_log_written_whole(tmp_path, monkeypatch):
-    """Two `bench --part` processes start at once: the log appears whole under its name (a part that finds it
-    never reads it half-written, as one did on 2026-11-26), and the second keeps the first's settings."""
-    import os
-    import pickle
-
-    from specviz.apps.runlog import RunLog
-
-    path = tmp_path / "r.json.runs"
-    seen = []
-    real_link = os.link
-
-    def link(src, dst):  # what a racing process would find at this instant
-        seen.append(Path(dst).exists())
-        assert pickle.loads(Path(src).read_bytes())["methods"] == ["ar"]  # whole before it is named
-        real_link(src, dst)
-
-    monkeypatch.setattr(os, "link", link)
-    RunLog(path, {"methods": ["ar"], "budgets": {"a": 1}}).start(exclusive=True)
-    RunLog(path, {"methods": ["ar"], "budgets": {"a": 2}}).start(exclusive=True)
-    assert seen == [False, True] and list(tmp_path.iterdir()) == [path]
-    assert pickle.loads(path.read_bytes())["budgets"] == {"a": 1}
-
-
-def test_the_run_log_keeps_what_the_figures_read_and_drops_the_rest(tmp_path, tiny_target):
-    import torch
-
-    from drafters import build_drafter
-    from specviz.apps.bench import PromptRun
-    from specviz.apps.runlog import RunLog
-    from specviz.core.engine import run
-    from specviz.core.metrics import compare
-
-    target = tiny_target(vocab_size=32, seed=0)
-    prompts = [[1, 2, 3, 1, 2, 3, 1], [5, 6, 5, 6, 5]]
-    runs = {name: [PromptRun(r.output_ids, 0.1, r.records) for r in
-                   (run(target, build_drafter(name, target), p, 12, stop_on_eos=False) for p in prompts)]
-            for name in ("ar", "lookahead")}
-    for r in runs["lookahead"][0].records[1:]:  # the extras a tree can carry: logprobs, distributions, beams
-        n = len(r.tree)
-        r.tree.logprobs, r.tree.child_dists = torch.zeros(n), torch.full((n + 1, 32), 1 / 32)
-        r.tree.info.update(beams=torch.zeros(4, 3, dtype=torch.long), compression=1.5)
-    log = RunLog(tmp_path / "r.runs", {"methods": ["ar", "lookahead"]})
-    log.start()
-    for i in range(len(prompts)):
-        log.append({name: runs[name][i] for name in runs})
-    back = RunLog(tmp_path / "r.runs", {"methods": ["ar", "lookahead"]}).resume()
-    steps = [r for prompt in back["lookahead"] for r in prompt.records[1:]]
-    assert all(r.tree.logprobs is None and r.tree.child_dists is None and r.node_target_p.numel() == 0 for r in steps)
-    assert any(r.tree.info == {"compression": 1.5} for r in steps) and any(len(r.tree) > 1 for r in steps)
-    assert compare(back["lookahead"], back["ar"], ["a", "b"]) == compare(runs["lookahead"], runs["ar"], ["a", "b"])
+    assert parse_method(" eagle2:depth=4 ") == ("eagle2", {"depth": 4})
+    assert parse_method("hf-pld") == ("hf-pld", {}) and is_baseline("hf-pld") and not is_baseline("pld")
+    with pytest.raises(SettingsError, match="unknown method"):
+        parse_method("nope")

@@ -78,8 +78,8 @@ def test_every_method_decodes_on_a_gpu_as_on_the_cpu(method, target, fake_cuda):
 
 def test_training_data_is_made_on_a_gpu_as_on_the_cpu(target, fake_cuda):
     """Self-distillation (batched, grouped attention) and feature extraction, the first jobs a lent GPU gets."""
-    from drafters.corpus import extract_features, self_distill
-    from drafters.train import LayerTaps
+    from drafters.training.distill import self_distill
+    from drafters.training.features import LayerTaps, extract_features
 
     prompts = [p[:6] for p in PROMPTS[:5]]
     answers = self_distill(target, prompts, 12, 3)

@@ -11,15 +11,17 @@ import pytest
 import torch
 
 from conftest import make_llama, reference_greedy
-from drafters.distill import (
+from drafters.training import features, sequences, sharegpt
+from drafters.training.distill import (
     GROUPED,
     ShardedDistill,
     distill_model,
     greedy_answers,
     grouped_attention,
-    length_sorted_batches,
+    prompt_batches,
 )
-from drafters.shards import Shards, recipe_key
+from drafters.training.shards import Shards
+from specviz.core.files import content_key
 
 EOS = 5
 
@@ -46,9 +48,9 @@ def test_batched_loop_is_greedy_decoding_cut_at_eos(model):
     assert 0 < ended < len(prompts)  # rows left the batch early and others went on
 
 
-def test_length_sorted_batches_cover_every_prompt_once():
+def test_prompt_batches_cover_every_prompt_once():
     prompts = random_prompts(23, seed=1)
-    batches = length_sorted_batches(prompts, 5)
+    batches = prompt_batches(prompts, 5)
     assert sorted(i for b in batches for i in b) == list(range(23)) and max(map(len, batches)) == 5
     lengths = [len(prompts[i]) for b in batches for i in b]
     assert lengths == sorted(lengths, reverse=True)
@@ -69,7 +71,7 @@ def test_a_killed_run_resumes_to_the_unbroken_result(model, tmp_path):
     broken = ShardedDistill(tmp_path / "b", prompts, 12, batch_size=4, shard_size=8)
     with pytest.raises(Killed):
         broken.run(model, {EOS}, progress=False, after_shard=kill_after_second)
-    assert broken.finished() == [0, 1] and not list(broken.folder.glob("*.tmp"))
+    assert broken.finished() == [0, 1] and not list(broken.folder.glob("*.partial"))
     calls = []
     resumed = ShardedDistill(tmp_path / "b", prompts, 12, batch_size=4, shard_size=8)
     assert resumed.run(model, {EOS}, progress=False, after_shard=calls.append) == whole
@@ -112,14 +114,12 @@ def test_the_distill_model_writes_the_targets_greedy_answers(tiny_target):
 
 
 def test_sharded_features_resume_to_the_unbroken_set(tiny_target, tmp_path, monkeypatch):
-    import drafters.corpus as corpus
-
     target = tiny_target(40, seed=3, eos=EOS)
     seqs = [(torch.tensor(p + [7, 8, 9]), len(p)) for p in random_prompts(11, seed=5)]
-    whole = corpus.extract_features(target, seqs, batch_tokens=32, work=tmp_path / "whole", shard_size=4)
-    unsharded = corpus.extract_features(target, seqs, batch_tokens=32)
+    whole = features.extract_features(target, seqs, batch_tokens=32, work=tmp_path / "whole", shard_size=4)
+    unsharded = features.extract_features(target, seqs, batch_tokens=32)
     torch.testing.assert_close(whole.features.float(), unsharded.features.float(), atol=2e-3, rtol=2e-3)
-    real, calls = corpus._features, []
+    real, calls = features._features, []
 
     def dies_on_the_third_shard(*args):
         calls.append(1)
@@ -127,12 +127,12 @@ def test_sharded_features_resume_to_the_unbroken_set(tiny_target, tmp_path, monk
             raise Killed
         return real(*args)
 
-    monkeypatch.setattr(corpus, "_features", dies_on_the_third_shard)
+    monkeypatch.setattr(features, "_features", dies_on_the_third_shard)
     with pytest.raises(Killed):
-        corpus.extract_features(target, seqs, batch_tokens=32, work=tmp_path / "killed", shard_size=4)
-    monkeypatch.setattr(corpus, "_features", real)
+        features.extract_features(target, seqs, batch_tokens=32, work=tmp_path / "killed", shard_size=4)
+    monkeypatch.setattr(features, "_features", real)
     assert len(list((tmp_path / "killed").glob("shard-*.safetensors"))) == 2
-    resumed = corpus.extract_features(target, seqs, batch_tokens=32, work=tmp_path / "killed", shard_size=4)
+    resumed = features.extract_features(target, seqs, batch_tokens=32, work=tmp_path / "killed", shard_size=4)
     for name, value in whole.tensors().items():
         assert torch.equal(resumed.tensors()[name], value), name
     assert resumed.sequence(10)[0].tolist() == seqs[10][0].tolist()
@@ -140,39 +140,34 @@ def test_sharded_features_resume_to_the_unbroken_set(tiny_target, tmp_path, monk
 
 def test_a_kill_while_saving_features_leaves_no_file_that_loads(tiny_target, tmp_path, monkeypatch):
     """`prepare` trusts a features file that exists: a killed save must leave none (and the next save works)."""
-    import drafters.corpus as corpus
-    import drafters.shards as shards
-
     target = tiny_target(40, seed=3, eos=EOS)
-    features = corpus.extract_features(target, [(torch.tensor(p + [7, 8]), len(p)) for p in random_prompts(5, 6)])
-    real = shards.save_file
+    made = features.extract_features(target, [(torch.tensor(p + [7, 8]), len(p)) for p in random_prompts(5, 6)])
+    real = Path.write_bytes
 
-    def dies_halfway(tensors, path, metadata=None):
-        Path(path).write_bytes(b"half a file")
+    def dies_halfway(path, data):
+        real(path, data[: len(data) // 2])
         raise Killed
 
-    monkeypatch.setattr(shards, "save_file", dies_halfway)
+    monkeypatch.setattr(Path, "write_bytes", dies_halfway)
     with pytest.raises(Killed):
-        features.save(tmp_path / "train-key.safetensors", {})
+        made.save(tmp_path / "train-key.safetensors", {})
     assert not (tmp_path / "train-key.safetensors").exists()
-    monkeypatch.setattr(shards, "save_file", real)
-    features.save(tmp_path / "train-key.safetensors", {"a": 1})
-    assert torch.equal(corpus.FeatureSet.load(tmp_path / "train-key.safetensors").tokens, features.tokens)
+    monkeypatch.setattr(Path, "write_bytes", real)
+    made.save(tmp_path / "train-key.safetensors", {"a": 1})
+    assert torch.equal(features.FeatureSet.load(tmp_path / "train-key.safetensors").tokens, made.tokens)
 
 
 def test_features_in_bf16_come_from_a_bf16_copy_and_stay_close(tiny_target):
-    import drafters.corpus as corpus
-
     target = tiny_target(40, seed=3, eos=EOS)
     seqs = [(torch.tensor(p + [7, 8, 9]), len(p)) for p in random_prompts(6, seed=6)]
-    exact = corpus.extract_features(target, seqs, batch_tokens=32)
-    fast = corpus.extract_features(target, seqs, batch_tokens=32, dtype=torch.bfloat16)
+    exact = features.extract_features(target, seqs, batch_tokens=32)
+    fast = features.extract_features(target, seqs, batch_tokens=32, dtype=torch.bfloat16)
     assert target.dtype == torch.float32  # the target itself is left in fp32
     assert not torch.equal(fast.features, exact.features)  # really computed in bf16
     torch.testing.assert_close(fast.features.float(), exact.features.float(), atol=0.1, rtol=0.05)
-    recipe = corpus.DataRecipe(samples=4, feature_dtype=torch.bfloat16)
+    recipe = sequences.DataRecipe(samples=4, feature_dtype=torch.bfloat16)
     assert recipe.features_key(target) == recipe.key(target) + "-bfloat16"  # same sequences, own features
-    assert corpus.DataRecipe(samples=4).features_key(target) == recipe.key(target)
+    assert sequences.DataRecipe(samples=4).features_key(target) == recipe.key(target)
 
 
 def test_shipped_sequences_load_and_match_their_checkpoints_cards():
@@ -180,21 +175,18 @@ def test_shipped_sequences_load_and_match_their_checkpoints_cards():
     exactly the counts its card records."""
     import hashlib
     import json
-    from pathlib import Path
-
-    import drafters.corpus as corpus
 
     not_in_key = ("train_samples", "train_tokens", "answer_tokens", "val_samples", "feature_dtype",
                   "features_on_the_fly")  # DataRecipe.key
-    shipped = Path(corpus.SHIPPED_SEQUENCES).parent / "drafters"
+    shipped = Path(sequences.SHIPPED_SEQUENCES).parent / "drafters"
     cards = [json.loads(p.read_text()) for p in shipped.glob("*/card.json")]
     assert len(cards) == len([d for d in shipped.iterdir() if d.is_dir()]) >= 7
     for card in cards:
         recipe = {k: v for k, v in card["data"].items() if k not in not_in_key}
         key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-        path = corpus.SHIPPED_SEQUENCES / f"sequences-{key}.safetensors.xz"
-        splits = corpus.load_sequences(path)
-        assert corpus.sequences_meta(path)["samples"] == recipe["samples"]
+        path = sequences.SHIPPED_SEQUENCES / f"sequences-{key}.safetensors.xz"
+        splits = sequences.load_sequences(path)
+        assert sequences.sequences_meta(path)["samples"] == recipe["samples"]
         train = splits["train"]
         assert len(train) == card["data"]["train_samples"] and len(splits["val"]) == card["data"]["val_samples"]
         assert sum(s.numel() for s, _ in train) == card["data"]["train_tokens"]
@@ -202,18 +194,16 @@ def test_shipped_sequences_load_and_match_their_checkpoints_cards():
 
 
 def test_sequences_round_trip_compressed(tmp_path):
-    import drafters.corpus as corpus
-
     splits = {"train": [(torch.tensor([1, 60000, 3]), 1), (torch.tensor([5, 6]), 2)], "val": [(torch.tensor([7]), 0)]}
     for name in ("plain.safetensors", "packed.safetensors.xz"):
-        corpus.save_sequences(tmp_path / name, splits, {"samples": 2})
-        again = corpus.load_sequences(tmp_path / name)
+        sequences.save_sequences(tmp_path / name, splits, {"samples": 2})
+        again = sequences.load_sequences(tmp_path / name)
         assert {k: [(s.tolist(), a) for s, a in v] for k, v in again.items()} == \
             {k: [(s.tolist(), a) for s, a in v] for k, v in splits.items()}
-        assert corpus.sequences_meta(tmp_path / name) == {"samples": 2}
+        assert sequences.sequences_meta(tmp_path / name) == {"samples": 2}
     (tmp_path / "bad.safetensors.xz").write_bytes(b"not xz")
-    with pytest.raises(corpus.DataError, match="unreadable"):
-        corpus.load_sequences(tmp_path / "bad.safetensors.xz")
+    with pytest.raises(sequences.DataError, match="unreadable"):
+        sequences.load_sequences(tmp_path / "bad.safetensors.xz")
 
 
 def test_shards_split_items_and_save_whole_files(tmp_path):
@@ -222,5 +212,45 @@ def test_shards_split_items_and_save_whole_files(tmp_path):
     assert shards.missing() == [0, 1, 2] and shards.finished() == []
     shards.save(1, {"x": torch.arange(3)}, {"note": "one"})
     assert shards.missing() == [0, 2] and torch.equal(shards.load(1)["x"], torch.arange(3))
-    assert not list((tmp_path / "job").glob("*.tmp"))
-    assert recipe_key({"a": 1, "b": [2]}) == recipe_key({"b": [2], "a": 1}) != recipe_key({"a": 2, "b": [2]})
+    assert not list((tmp_path / "job").glob("*.partial"))
+    assert content_key({"a": 1, "b": [2]}) == content_key({"b": [2], "a": 1}) != content_key({"a": 2, "b": [2]})
+
+
+def test_the_recipe_keys_name_the_shipped_sequences_and_old_distill_folders(tmp_path):
+    """``content_key`` replaced hand-written ``sha1(json)[:12]`` keys: the names of shipped files and of
+    work folders already on disk must not change."""
+    import hashlib
+    import json
+
+    for card_path in (sequences.SHIPPED_SEQUENCES.parent / "drafters").glob("*/card.json"):
+        data = json.loads(card_path.read_text())["data"]
+        recipe = sequences.DataRecipe(None if data["samples"] == "all" else data["samples"], data["self_distilled"],
+                                      data["max_prompt_tokens"], data["max_new_tokens"], data["val_fraction"],
+                                      prompts=data.get("prompts", "first"),
+                                      distill_dtype=getattr(torch, data.get("distill_dtype", "float32")))
+        key = recipe.key(SimpleNamespace(name=data["target"]))
+        assert (sequences.SHIPPED_SEQUENCES / f"sequences-{key}.safetensors.xz").exists(), card_path
+    prompts = random_prompts(5, seed=7)
+    job = ShardedDistill(tmp_path, prompts, 12, batch_size=4, shard_size=8, label="embedded torch.bfloat16")
+    old = {"prompts": hashlib.sha1(json.dumps(prompts).encode()).hexdigest(), "max_new_tokens": 12, "batch_size": 4,
+           "shard_size": 8, "label": "embedded torch.bfloat16"}
+    assert job.folder.name == "distill-" + hashlib.sha1(json.dumps(old, sort_keys=True).encode()).hexdigest()[:12]
+    ids = [f"conv-{i}" for i in range(50)]
+    old_split = [int(hashlib.sha1(i.encode()).hexdigest()[:8], 16) / 0x100000000 < 0.3 for i in ids]
+    assert [sharegpt.is_validation(i, 0.3) for i in ids] == old_split and any(old_split)
+
+
+def test_importing_self_distillation_registers_no_attention_function():
+    """The grouped attention joins transformers' global registries when a distill model is built, not on import."""
+    import subprocess
+    import sys
+
+    code = ("from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as masks\n"
+            "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as functions\n"
+            "import drafters, drafters.training.distill as distill, drafters.training.loop, drafters.training.dataset\n"
+            "print(distill.GROUPED in functions, distill.GROUPED in masks)\n"
+            "distill.register_grouped_attention()\n"
+            "print(distill.GROUPED in functions, distill.GROUPED in masks)\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True", "True"]

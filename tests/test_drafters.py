@@ -44,19 +44,19 @@ def test_prompt_lookup_matches_brute_force(seed):
 def test_prompt_lookup_drafter_chain(tiny_target):
     target = tiny_target(vocab_size=16)
     drafter = build_drafter("pld", target, num_tokens=3, max_ngram=2)
-    tree = drafter.propose(DraftRequest([1, 2, 3, 4, 5, 1, 2], max_depth=8, sampling=Sampling()))
+    tree = drafter.propose(None, DraftRequest([1, 2, 3, 4, 5, 1, 2], max_depth=8, sampling=Sampling()))
     assert tree.tokens.tolist() == [3, 4, 5] and tree.parents.tolist() == [0, 1, 2]
     assert tree.info == {"ngram": [1, 2], "ngram_at": 0}  # what the step-through view shows
-    tree = drafter.propose(DraftRequest([1, 2, 3, 4, 5, 1, 2], max_depth=2, sampling=Sampling()))
+    tree = drafter.propose(None, DraftRequest([1, 2, 3, 4, 5, 1, 2], max_depth=2, sampling=Sampling()))
     assert tree.tokens.tolist() == [3, 4]
-    assert len(drafter.propose(DraftRequest([1, 2, 3], max_depth=4, sampling=Sampling()))) == 0
+    assert len(drafter.propose(None, DraftRequest([1, 2, 3], max_depth=4, sampling=Sampling()))) == 0
     assert drafter.num_parameters() == 0
 
 
 def test_ar_proposes_nothing(tiny_target):
     target = tiny_target()
     drafter = build_drafter("ar", target)
-    assert len(drafter.propose(DraftRequest([1, 2], 5, Sampling()))) == 0
+    assert len(drafter.propose(drafter.start(), DraftRequest([1, 2], 5, Sampling()))) == 0
 
 
 @torch.inference_mode()
@@ -110,10 +110,11 @@ def test_chain_drafter_incremental_equals_fresh(kind, greedy, tiny_llama):
         model = truncated_reference(target.model, layers)
         assert drafter.num_parameters() == 0
     sampling = Sampling() if greedy else Sampling(temperature=0.8, top_p=0.9)
+    state = drafter.start()
     for step, tokens in enumerate(evolving_requests(seed=len(kind) + greedy, vocab=vocab)):
         depth = 1 + step % 4
         gen = torch.Generator().manual_seed(step)
-        tree = drafter.propose(DraftRequest(tokens, depth, sampling, gen))
+        tree = drafter.propose(state, DraftRequest(tokens, depth, sampling, gen))
         expected, rows = reference_draft(model, tokens, depth, vocab, sampling, torch.Generator().manual_seed(step))
         assert tree.tokens.tolist() == expected, f"step {step}"
         assert tree.parents.tolist() == list(range(depth))
@@ -134,12 +135,13 @@ def test_chain_lm_keeps_only_the_shared_prefix_cached(tiny_llama):
     drafter = build_drafter("skip", target, layers=2, num_tokens=3)
     assert isinstance(drafter, ChainLMDrafter)
     greedy = Sampling()
-    drafter.propose(DraftRequest([1, 2, 3, 4, 5], 3, greedy))
-    assert drafter.cached[:5] == [1, 2, 3, 4, 5] and drafter.cache.get_seq_length() == len(drafter.cached)
-    drafter.propose(DraftRequest([1, 2, 3, 9, 9, 9], 3, greedy))  # diverges after three tokens
-    assert drafter.cached[:6] == [1, 2, 3, 9, 9, 9] and drafter.cache.get_seq_length() == len(drafter.cached)
-    drafter.reset()
-    assert drafter.cached == [] and drafter.cache.get_seq_length() == 0
+    state = drafter.start()
+    drafter.propose(state, DraftRequest([1, 2, 3, 4, 5], 3, greedy))
+    assert state.cached[:5] == [1, 2, 3, 4, 5] and state.cache.get_seq_length() == len(state.cached)
+    drafter.propose(state, DraftRequest([1, 2, 3, 9, 9, 9], 3, greedy))  # diverges after three tokens
+    assert state.cached[:6] == [1, 2, 3, 9, 9, 9] and state.cache.get_seq_length() == len(state.cached)
+    fresh = drafter.start()
+    assert fresh.cached == [] and fresh.cache.get_seq_length() == 0
 
 
 def test_lookahead_tree_is_the_jacobi_window_plus_pooled_ngrams(tiny_target):
@@ -152,22 +154,23 @@ def test_lookahead_tree_is_the_jacobi_window_plus_pooled_ngrams(tiny_target):
     target = tiny_target(vocab_size=16)
     drafter = build_drafter("lookahead", target, window=3, ngram=3, guesses=2)
     assert isinstance(drafter, LookaheadDrafter)
-    drafter.observe(Commit(torch.tensor([5, 6, 7]), torch.zeros(3, 64), 9))  # the prefill
-    assert len(drafter.levels[0]) == 3 and set(drafter.levels[0]) <= {5, 6, 7}  # guesses taken from the prompt
-    drafter.levels = [level0 := [5, 6, 7]]
-    tree = drafter.propose(DraftRequest([5, 6, 7, 9], max_depth=16, sampling=Sampling()))
+    state = drafter.start()
+    drafter.observe(state, Commit(torch.tensor([5, 6, 7]), torch.zeros(3, 64), 9))  # the prefill
+    assert len(state.levels[0]) == 3 and set(state.levels[0]) <= {5, 6, 7}  # guesses taken from the prompt
+    state.levels = [level0 := [5, 6, 7]]
+    tree = drafter.propose(state, DraftRequest([5, 6, 7, 9], max_depth=16, sampling=Sampling()))
     assert tree.tokens.tolist() == level0 and tree.parents.tolist() == [0, 1, 2]  # no pool yet: the window only
     top = torch.tensor([1, 11, 12, 13])  # the target's next token after the root and each level-0 node
-    drafter.observe(Commit(torch.tensor([9]), torch.zeros(1, 64), 1, top))
-    assert drafter.levels == [level0, [11, 12, 13]]
-    tree = drafter.propose(DraftRequest([5, 6, 7, 9, 1], max_depth=16, sampling=Sampling()))
+    drafter.observe(state, Commit(torch.tensor([9]), torch.zeros(1, 64), 1, top))
+    assert state.levels == [level0, [11, 12, 13]]
+    tree = drafter.propose(state, DraftRequest([5, 6, 7, 9, 1], max_depth=16, sampling=Sampling()))
     assert tree.parents.tolist() == [0, 1, 2, 1, 2, 3] and tree.depths.tolist() == [1, 2, 3, 2, 3, 4]
     top = torch.tensor([2, 0, 0, 0, 21, 22, 23])
-    drafter.observe(Commit(torch.tensor([1]), torch.zeros(1, 64), 2, top))  # full levels: n-grams go to the pool
-    assert drafter.pool == {5: [(11, 21)], 6: [(12, 22)], 7: [(13, 23)]}
-    assert drafter.levels == [[11, 12, 13], [21, 22, 23]]
-    tree = drafter.propose(DraftRequest([5, 6, 7, 9, 1, 6], max_depth=16, sampling=Sampling()))
+    drafter.observe(state, Commit(torch.tensor([1]), torch.zeros(1, 64), 2, top))  # full levels: n-grams go to the pool
+    assert state.pool == {5: [(11, 21)], 6: [(12, 22)], 7: [(13, 23)]}
+    assert state.levels == [[11, 12, 13], [21, 22, 23]]
+    tree = drafter.propose(state, DraftRequest([5, 6, 7, 9, 1, 6], max_depth=16, sampling=Sampling()))
     assert tree.tokens.tolist()[:2] == [12, 22] and tree.info["candidates"] == 2  # the n-gram after root 6
     assert tree.parents.tolist()[:2] == [0, 1] and tree.info["lookahead"] == 6
-    short = drafter.propose(DraftRequest([5, 6, 7, 9, 1, 11], max_depth=2, sampling=Sampling()))
+    short = drafter.propose(state, DraftRequest([5, 6, 7, 9, 1, 11], max_depth=2, sampling=Sampling()))
     assert short.max_depth <= 2  # nothing the run could never use

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from conftest import train_tiny_drafter
 from drafters import build_drafter
 from drafters.eagle3 import Eagle3Drafter, FusedNet, fusion_layers
-from drafters.train import LayerTaps
+from drafters.training.features import LayerTaps
 from specviz.core.engine import run
 from specviz.core.errors import SpecvizError
 from specviz.core.protocol import Commit
@@ -95,8 +95,10 @@ def test_training_on_tokens_alone_ends_where_stored_features_take_it(target):
     """``prepare(features=False)``: the taps' forward supplies the final-norm features too (rounded to
     float16 as stored ones are), so EAGLE-3 trains to the same weights without a feature cache."""
     from drafters import METHODS
-    from drafters.corpus import FeatureSet, extract_features, self_distill
-    from drafters.train import TrainConfig, train
+    from drafters.training.config import TrainConfig
+    from drafters.training.distill import self_distill
+    from drafters.training.features import FeatureSet, extract_features
+    from drafters.training.loop import train
 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen).tolist()

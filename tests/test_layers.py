@@ -73,3 +73,61 @@ def test_every_module_is_imported_by_a_test():
         tests |= imported_names(path)
     modules = [module_name(p) for p in CORE + DRAFTERS + APPS if p.name != "__init__.py"]
     assert [m for m in modules if not any(n == m or n.startswith(m + ".") for n in tests)] == []
+
+
+def import_graph(paths: list[Path]) -> dict[str, set[str]]:
+    """Module -> the modules among ``paths`` it imports, at the top or inside a function (either can close a
+    cycle: a function-local import only delays it)."""
+    modules = {module_name(p): p for p in paths}
+    graph = {}
+    for name, path in modules.items():
+        named = imported_names(path)
+        graph[name] = {m for m in modules if m != name and (m in named or any(n.startswith(m + ".") for n in named))}
+        graph[name] -= {m for m in graph[name] if name.startswith(m + ".")}  # a package's own __init__
+    return graph
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` as the modules around it, or [] when it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def test_the_cycle_finder_finds_a_function_local_cycle(tmp_path, monkeypatch):
+    package = tmp_path / "specviz" / "apps"
+    package.mkdir(parents=True)
+    (package / "a.py").write_text("from .b import x\n")
+    (package / "b.py").write_text("def f():\n    from . import c\n")
+    (package / "c.py").write_text("import specviz.apps.a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    found = cycle(import_graph(sorted(package.glob("*.py"))))
+    assert set(found) == {"specviz.apps.a", "specviz.apps.b", "specviz.apps.c"} and found[0] == found[-1]
+    (package / "c.py").write_text("import specviz.core\n")
+    assert cycle(import_graph(sorted(package.glob("*.py")))) == []
+
+
+def test_no_import_cycle_inside_the_apps():
+    assert cycle(import_graph(APPS)) == []
+
+
+def test_no_python_file_is_over_400_lines():
+    folders = [ROOT / "specviz", ROOT / "drafters", ROOT / "tests", ROOT / "scripts"]
+    lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for f in folders for p in f.rglob("*.py")}
+    assert lengths and {p: n for p, n in lengths.items() if n > 400} == {}

@@ -29,11 +29,11 @@ def step(n: int, depth: int, accepted: int, tokens: int | None = None, ms: float
     """Decode step ``n`` whose draft is a chain ``depth`` deep with ``accepted`` of it kept."""
     tree = DraftTree.chain(list(range(depth)))
     emitted = list(range(accepted + 1 if tokens is None else tokens))
-    return StepRecord(n, tree, list(range(1, accepted + 1)), emitted, 0, torch.zeros(depth), 1.0,
-                      Timings(draft=ms / 4000, verify=ms / 2000, accept=ms / 8000, other=ms / 8000))
+    return StepRecord(step=n, tree=tree, path=list(range(1, accepted + 1)), tokens=emitted, bonus=0,
+                      timings=Timings(draft=ms / 4000, verify=ms / 2000, accept=ms / 8000, other=ms / 8000))
 
 
-PREFILL = StepRecord(0, DraftTree.empty(), [], [7], 7, torch.zeros(0), 1.0, Timings(verify=0.05))
+PREFILL = StepRecord(step=0, tree=DraftTree.empty(), path=[], tokens=[7], bonus=7, timings=Timings(verify=0.05))
 # four decode steps: drafts 3, 3, 1 and 2 deep; accepted 2, 0, 1 and 2
 RECORDS = [PREFILL, step(1, 3, 2), step(2, 3, 0), step(3, 1, 1), step(4, 2, 2)]
 
@@ -58,8 +58,8 @@ def test_alpha_conditional_and_unconditional_by_hand():
 
 def test_alpha_conditional_counts_a_depth_only_below_the_accepted_node():
     tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([0, 0, 1]))  # nodes 1, 2 at depth 1; node 3 under 1
-    below_a_leaf = StepRecord(1, tree, [2], [6, 9], 9, torch.zeros(3), 1.0)  # kept node 2, which has no child
-    below_a_parent = StepRecord(2, tree, [1], [5, 9], 9, torch.zeros(3), 1.0)  # kept node 1, rejected node 3
+    below_a_leaf = StepRecord(step=1, tree=tree, path=[2], tokens=[6, 9], bonus=9)  # kept node 2: no child
+    below_a_parent = StepRecord(step=2, tree=tree, path=[1], tokens=[5, 9], bonus=9)  # kept node 1, rejected 3
     assert acceptance_by_depth([PREFILL, below_a_leaf]) == ([1.0, 0.0], [1.0, 0.0])
     assert acceptance_by_depth([PREFILL, below_a_leaf, below_a_parent]) == ([1.0, 0 / 1], [1.0, 0.0])
 

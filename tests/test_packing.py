@@ -9,6 +9,7 @@ from conftest import train_tiny_drafter
 from drafters import build_drafter
 from drafters.ar import AutoregressiveDrafter
 from specviz.core.engine import run
+from specviz.core.load import prepare
 from specviz.core.packing import linear, pack, pack_linears, unpacked
 from specviz.core.target import TargetModel
 
@@ -62,7 +63,7 @@ def test_autograd_and_autocast_fall_back_to_the_dense_weight():
 def test_packed_target_decodes_as_the_default_one(method, settings, tiny_llama):
     """Greedy output of every method on the packed target is the unpacked target's AR output."""
     plain = TargetModel(tiny_llama(VOCAB, seed=0, num_layers=4))
-    packed = TargetModel(tiny_llama(VOCAB, seed=0, num_layers=4), pack=True)
+    packed = TargetModel(prepare(tiny_llama(VOCAB, seed=0, num_layers=4), pack=True))
     assert packed.packed_linears > 0 and packed.kernels.startswith("oneDNN") and plain.kernels == "default"
     drafter = build_drafter(method, packed, **settings)
     for prompt in PROMPTS:
@@ -75,7 +76,7 @@ def test_packed_target_decodes_as_the_default_one(method, settings, tiny_llama):
 def test_trained_drafters_pack_and_stay_lossless(method, settings, tiny_llama, tmp_path):
     """A trained drafter on a packed target decodes on packed weights too (its net and its draft head)."""
     plain = TargetModel(tiny_llama(VOCAB, seed=0, num_layers=4))
-    packed = TargetModel(tiny_llama(VOCAB, seed=0, num_layers=4), pack=True)
+    packed = TargetModel(prepare(tiny_llama(VOCAB, seed=0, num_layers=4), pack=True))
     folder = train_tiny_drafter(packed, method, tmp_path / method)  # training itself runs on the dense weights
     drafter = build_drafter(method, packed, checkpoint=str(folder), **settings)
     assert drafter.frozen.packed_head is not None

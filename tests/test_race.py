@@ -28,7 +28,7 @@ class Lagging(Drafter):
     def __init__(self, name, cost, clock):
         self.name, self.cost, self.clock = name, cost, clock
 
-    def propose(self, request: DraftRequest) -> DraftTree:
+    def propose(self, state, request: DraftRequest) -> DraftTree:
         self.clock[0] += self.cost
         return DraftTree.empty()
 
@@ -39,7 +39,7 @@ class Failing(Drafter):
     def __init__(self, after: int, error: Exception = SettingsError("drafter broke")):
         self.after, self.calls, self.error = after, 0, error
 
-    def propose(self, request):
+    def propose(self, state, request):
         self.calls += 1
         if self.calls > self.after:
             raise self.error
@@ -58,6 +58,18 @@ def test_each_lane_matches_its_standalone_run(target):
         assert lanes[label].output_ids == alone.output_ids, label
         assert [len(r.tree) for r in lanes[label].records] == [len(r.tree) for r in alone.records]
         assert lanes[label].finished and lanes[label].error is None
+
+
+def test_lanes_may_share_one_drafter_object(target):
+    """Each lane's decode has its own drafter state: one skip drafter in two lanes runs as it does alone."""
+    skip = build_drafter("skip", target, layers=1, num_tokens=3)
+    lanes = {lane.label: lane for lane in race(target, {"one": skip, "two": skip}, PROMPT, 30)}
+    alone = run(target, skip, PROMPT, 30)
+    for lane in lanes.values():
+        assert lane.output_ids == alone.output_ids and lane.error is None
+        assert [(r.tree.tokens.tolist(), r.path) for r in lane.records] == [(r.tree.tokens.tolist(), r.path)
+                                                                             for r in alone.records]
+        assert all(r.node_target_p.numel() == len(r.tree) and r.margins for r in lane.records)  # what the app shows
 
 
 def test_the_lane_furthest_behind_always_moves(target, monkeypatch):
@@ -111,7 +123,8 @@ def fake_record(step=1):
     from specviz.core.engine import StepRecord
 
     tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 0]), torch.log(torch.tensor([0.5, 0.25, 0.2])))
-    return StepRecord(step, tree, [1], [5, 9], 9, torch.tensor([0.9, 0.1, 0.05]), 0.7)
+    return StepRecord(step=step, tree=tree, path=[1], tokens=[5, 9], bonus=9,
+                      node_target_p=torch.tensor([0.9, 0.1, 0.05]), bonus_target_p=0.7)
 
 
 def test_step_html_colours_hovers_and_escapes():
@@ -139,7 +152,8 @@ def test_tree_figure_shows_beams_before_dedup_for_beam_drafters():
     beams = torch.tensor([[5, 6, 7], [5, 6, 8], [9, 6, 7]])  # two beams share the prefix 5 6
     tree = DraftTree.from_beams(beams)
     accepted = [1, 3]  # 5 -> 6 along beam 0
-    record = StepRecord(3, tree, accepted, [5, 6, 4], 4, torch.zeros(len(tree)), 0.5)
+    record = StepRecord(step=3, tree=tree, path=accepted, tokens=[5, 6, 4], bonus=4,
+                        node_target_p=torch.zeros(len(tree)), bonus_target_p=0.5)
     fig = render.tree_figure(record, lambda ids: str(ids[0]), "redrafter")
     assert "3 beams × 3 → 7 nodes" in fig.layout.title.text
     beam_nodes = fig.data[-1]
@@ -167,7 +181,8 @@ def test_tree_figure_grows_a_readable_row_per_leaf():
 
     def height(leaves: int) -> int:
         tree = DraftTree.from_beams(torch.arange(leaves).view(leaves, 1))  # a root with `leaves` children
-        record = StepRecord(1, tree, [], [0], 0, torch.zeros(len(tree)), 0.5)
+        record = StepRecord(step=1, tree=tree, path=[], tokens=[0], bonus=0, node_target_p=torch.zeros(len(tree)),
+                            bonus_target_p=0.5)
         return render.tree_figure(record, lambda ids: str(ids[0]), "x").layout.height
 
     assert height(3) == 380 and height(60) >= 16 * 60 and height(60) > height(30) > height(3)
@@ -176,7 +191,8 @@ def test_tree_figure_grows_a_readable_row_per_leaf():
 def test_plots_one_line_per_method_and_a_box_of_tokens_per_step():
     from specviz.core.engine import StepRecord
 
-    prefill = StepRecord(0, DraftTree.empty(), [], [4], 4, torch.zeros(0), 1.0)
+    prefill = StepRecord(step=0, tree=DraftTree.empty(), path=[], tokens=[4], bonus=4, node_target_p=torch.zeros(0),
+                         bonus_target_p=1.0)
     runs = {"a": [prefill, fake_record(1), fake_record(2)], "b": [prefill, fake_record(1)]}
     alpha = render.acceptance_figure(runs)
     assert [(t.name, t.line.dash, t.showlegend) for t in alpha.data] == [

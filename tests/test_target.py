@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specviz.core.errors import SpecvizError
-from specviz.core.target import TargetError, cache_kwarg
+from specviz.core.target import TargetError, VerifyPadding, cache_kwarg
+from specviz.core.text import ChatText, TextError, eos_token_ids
 from specviz.core.tree import DraftTree
 
 
@@ -152,19 +153,20 @@ def test_model_properties(tiny_target):
     assert target.dtype == torch.float32
     assert target.device.type == "cpu"
     assert target.num_parameters == sum(p.numel() for p in target.model.parameters())
-    assert target.eos_token_ids == set()
-    with pytest.raises(TargetError, match="tokenizer"):
-        target.encode_chat("hi")
-    assert target.decode([1, 2]) == "1 2"
+    assert target.text.eos_token_ids == set()
+    with pytest.raises(TextError, match="tokenizer"):
+        target.text.encode_chat("hi")
+    assert target.text.decode([1, 2]) == "1 2"
+    assert issubclass(TextError, SpecvizError)
 
 
 @pytest.mark.parametrize("eos, expected", [(5, {5}), ([3, 4], {3, 4}), (0, {0})])
 def test_eos_token_ids(eos, expected, tiny_target):
     target = tiny_target(vocab_size=16, seed=0, eos=eos)
-    assert target.eos_token_ids == expected
+    assert target.text.eos_token_ids == expected
     # generation_config unset: falls back to the model config
     target.model.generation_config.eos_token_id = None
-    assert target.eos_token_ids == expected
+    assert eos_token_ids(target.model) == ChatText.for_model(target.model).eos_token_ids == expected
 
 
 def test_eos_token_id_zero_in_generation_config_only(tiny_target):
@@ -172,20 +174,22 @@ def test_eos_token_id_zero_in_generation_config_only(tiny_target):
     target = tiny_target(vocab_size=16, seed=0)
     target.model.generation_config.eos_token_id = 0
     target.config.eos_token_id = None
-    assert target.eos_token_ids == {0}
+    assert eos_token_ids(target.model) == {0}
     target.config.eos_token_id = 7  # generation_config wins over the model config
-    assert target.eos_token_ids == {0}
+    assert eos_token_ids(target.model) == {0}
 
 
 def test_a_bf16_target_runs_its_norm_and_head_in_fp32(tiny_llama):
-    """The body stays bf16; the final norm and an untied fp32 copy of the head make fp32 logits."""
+    """Prepared (``load.prepare``), the body stays bf16; the final norm and an untied fp32 copy of the head make
+    fp32 logits."""
     import copy
 
+    from specviz.core.load import prepare
     from specviz.core.target import TargetModel
 
     model = tiny_llama(seed=4).to(torch.bfloat16)
     plain = copy.deepcopy(model)
-    target = TargetModel(model)
+    target = TargetModel(prepare(model))
     assert target.dtype == torch.bfloat16 and model.get_input_embeddings().weight.dtype == torch.bfloat16
     assert model.lm_head.weight.dtype == torch.float32
     assert model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()  # untied
@@ -203,6 +207,38 @@ def test_a_bf16_target_runs_its_norm_and_head_in_fp32(tiny_llama):
     torch.testing.assert_close(logits, normed @ plain.lm_head.weight.float().T, atol=1e-4, rtol=1e-4)
 
 
+def test_a_target_leaves_the_callers_model_as_it_was(tiny_llama):
+    """``TargetModel(model)`` only decodes: no fp32 head, no packing, no hook left behind, the config as given."""
+    from specviz.core.target import TargetModel
+
+    model = tiny_llama(seed=4).to(torch.bfloat16).train()
+    before = {name: (p.dtype, p.data_ptr()) for name, p in model.named_parameters()}
+    forwards = [type(m).forward for m in model.modules()]
+    target = TargetModel(model)
+    cache = target.new_cache()
+    target.prefill([3, 7, 1], cache)
+    target.verify(4, fixed_tree(1), cache)
+    assert not model.training  # eval mode is the one change
+    assert {name: (p.dtype, p.data_ptr()) for name, p in model.named_parameters()} == before
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.get_input_embeddings().weight
+    assert all("forward" not in vars(m) for m in model.modules()) and forwards == [type(m).forward
+                                                                                  for m in model.modules()]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert target.packed_linears == 0 and target.kernels == "default"
+
+
+def test_the_feature_hook_lives_for_one_forward(tiny_target):
+    """Features are captured by a hook removed after each forward, even one that fails."""
+    target = tiny_target(vocab_size=32, seed=0)
+    norm = target.model.model.norm
+    cache = target.new_cache()
+    _, feats = target.prefill([1, 2, 3], cache)
+    assert feats.shape == (3, 64) and not norm._forward_hooks
+    with pytest.raises(IndexError):
+        target.verify(40, DraftTree.chain([1]), cache)  # a token beyond the vocabulary: the forward fails
+    assert not norm._forward_hooks
+
+
 @pytest.mark.parametrize("tree", [DraftTree.chain([4, 8, 15]), fixed_tree(5)], ids=["chain", "tree"])
 def test_padded_verify_returns_what_the_plain_one_does_and_commits_the_same_cache(tree, tiny_target):
     """Filler nodes follow every real node, so no real node sees them; their rows and cache entries go."""
@@ -210,10 +246,9 @@ def test_padded_verify_returns_what_the_plain_one_does_and_commits_the_same_cach
     outs = {}
     for name, padding in [("plain", {}), ("padded", {"chain": {n: n + 5}, "tree": {n: n + 5}})]:
         target = tiny_target(vocab_size=32, seed=2)
-        target.padding = padding
         cache = target.new_cache()
         target.prefill(prompt, cache)
-        logits, feats = target.verify(root, tree, cache)
+        logits, feats = target.verify(root, tree, cache, VerifyPadding(**padding))
         assert cache.get_seq_length() == len(prompt) + n + (5 if padding else 0)
         keep = [0] + tree.paths()[-1]
         target.commit(cache, len(prompt), keep)
@@ -229,14 +264,14 @@ def test_padded_verify_returns_what_the_plain_one_does_and_commits_the_same_cach
 
 def test_padding_never_pushes_a_chain_past_the_context(tiny_target):
     target = tiny_target(vocab_size=32, seed=0, max_positions=16)
-    target.padding = {"chain": {4: 8}}
+    padding = VerifyPadding(chain={4: 8})
     cache = target.new_cache()
     target.prefill(list(range(10)), cache)  # positions 10..13 fit, 10..17 would not: verified unpadded
-    logits, _ = target.verify(1, DraftTree.chain([1, 2, 3]), cache)
+    logits, _ = target.verify(1, DraftTree.chain([1, 2, 3]), cache, padding)
     assert logits.shape[0] == 4 and cache.get_seq_length() == 14
     target.commit(cache, 10, [0])
     target.prefill(list(range(6)), cache)  # room for the padding now
-    target.verify(1, DraftTree.chain([1, 2, 3]), cache)
+    target.verify(1, DraftTree.chain([1, 2, 3]), cache, padding)
     assert cache.get_seq_length() == 6 + 8
 
 

@@ -10,8 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from drafters import METHODS
-from drafters.corpus import extract_features, self_distill
-from drafters.train import TrainConfig, train
+from drafters.training.config import TrainConfig
+from drafters.training.distill import self_distill
+from drafters.training.features import extract_features
+from drafters.training.loop import train
 from specviz.core.errors import SettingsError
 
 
@@ -86,7 +88,7 @@ def test_a_recurrent_drafter_with_weights_in_one_buffer_resumes(target, data, tm
 
 
 def test_a_kill_while_saving_leaves_the_last_state_whole(target, data, tmp_path, monkeypatch):
-    from drafters.train import Progress
+    from drafters.training.state import Progress
 
     cfg = TrainConfig(epochs=1, batch_tokens=128, lr=3e-3, draft_vocab=32, save_every=3)
     cls = METHODS["eagle2"][0]
@@ -113,7 +115,7 @@ def test_a_kill_while_saving_leaves_the_last_state_whole(target, data, tmp_path,
 
 def test_drafters_trained_one_after_another_on_one_accelerator_each_resume(target, data, tmp_path):
     """`specviz train --drafter a,b` shares one accelerator; b's saved state must hold b alone."""
-    from drafters.train import make_accelerator
+    from drafters.training.loop import make_accelerator
 
     cfg = TrainConfig(epochs=1, batch_tokens=128, lr=3e-3, draft_vocab=32, save_every=3)
     eagle2, redrafter = METHODS["eagle2"][0], METHODS["redrafter"][0]
@@ -176,7 +178,92 @@ def test_fast_dtype_reads_the_cpu(flags, expected, monkeypatch):
 def test_cuda_and_cuda0_are_one_device_for_training():
     """accelerate names its device ``cuda``, a model's parameters say ``cuda:0``: the first real GPU run
     stopped on this comparison before a single step."""
-    from drafters.train import same_device
+    from drafters.training.loop import same_device
 
     assert same_device("cuda", "cuda:0") and same_device(torch.device("cuda", 0), "cuda") and same_device("cpu", "cpu")
     assert not same_device("cuda:1", "cuda") and not same_device("cpu", "cuda:0")
+
+
+def test_training_states_are_safetensors_and_json_and_restore_the_optimizer(target, data, tmp_path):
+    """Data formats only (reading a state runs no code from it); the optimizer's moments, steps and groups return."""
+    from drafters.training.state import optimizer_parts, optimizer_state
+
+    cfg = TrainConfig(epochs=1, batch_tokens=128, lr=3e-3, draft_vocab=32, save_every=3)
+    train(METHODS["semi-lstm"][0], target, data, data, cfg, {}, None, tmp_path / "run")
+    names = sorted(p.name for p in (tmp_path / "run" / "state").iterdir())
+    assert names == ["network.safetensors", "optimizer.json", "optimizer.safetensors", "progress.json",
+                     "random-0.safetensors", "schedule.json"]
+    net = torch.nn.LSTM(4, 3, num_layers=2)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    net(torch.randn(2, 5, 4))[0].sum().backward()
+    opt.step()
+    tensors, meta = optimizer_parts(opt.state_dict())
+    again = torch.optim.AdamW(net.parameters(), lr=0.5)
+    again.load_state_dict(optimizer_state(tensors, meta))
+    before, after = opt.state_dict(), again.state_dict()
+    assert after["param_groups"][0]["lr"] == 1e-3 and list(after["param_groups"][0]["betas"]) == [0.9, 0.95]
+    assert before["state"].keys() == after["state"].keys()
+    for index, values in before["state"].items():
+        assert all(torch.equal(values[k], after["state"][index][k]) for k in values)
+
+
+def test_the_run_key_is_the_one_runs_were_saved_under():
+    """A run's work folder keeps its name: the key hashes the JSON the hand-written key hashed."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    from drafters.training.config import OUTSIDE_RUN_KEY, run_key
+
+    cfg = TrainConfig(epochs=3, lr=1e-3, device="cpu")
+    for name in ("hass", "medusa"):
+        method = METHODS[name][0]
+        config = {k: v for k, v in asdict(cfg).items() if k not in OUTSIDE_RUN_KEY}
+        old = json.dumps([name, "dfbc9cda6fd2-bfloat16", config, getattr(method, "loss", None)], sort_keys=True,
+                         default=str)
+        assert run_key(method, "dfbc9cda6fd2-bfloat16", cfg) == hashlib.sha1(old.encode()).hexdigest()[:12]
+    assert run_key(METHODS["hass"][0], "k", cfg) != run_key(METHODS["eagle2"][0], "k", cfg)  # the objective counts
+    assert run_key(METHODS["hass"][0], "k", cfg) == run_key(METHODS["hass"][0], "k", replace(cfg, save_every=7))
+
+
+def test_the_card_records_objective_budget_size_and_machine(target):
+    from drafters.training.card import RunFacts, training_card
+    from drafters.training.state import Progress
+    from drafters.vocab_head import FrozenTarget
+
+    frozen, net = FrozenTarget(target, torch.arange(32)), torch.nn.Linear(4, 5)
+    facts = RunFacts(12.34, 1, torch.device("cpu"), (1,), 0.9876543)
+    progress = Progress(step=7, tokens=99, history=[{"epoch": 1}])
+    cfg = TrainConfig(epochs=1)
+    hass = training_card(METHODS["hass"][0], target, cfg, {"source": "x"}, progress, net, frozen, facts)
+    assert hass["method"] == "hass" and hass["data"] == {"source": "x"} and hass["history"] == [{"epoch": 1}]
+    assert hass["objective"]["passes"] == 3 and hass["objective"]["topk"] == 10
+    run = hass["training"]
+    assert (run["steps"], run["answer_tokens_seen"], run["wall_s"]) == (7, 99, 12.3)
+    assert run["epochs"] == 1 and "threads" in run["machine"]
+    assert hass["parameters"]["trained"] == 25 and hass["parameters"]["extra_total"] == 25 + frozen.head.numel()
+    assert hass["draft_vocab"] == {"size": 32, "train_token_coverage": 0.9877}
+    assert hass["features"]["tapped_layer_inputs"] == [1] and hass["validation_checks"] == []
+    medusa = training_card(METHODS["medusa"][0], target, cfg, {}, progress, net, frozen, facts)
+    assert medusa["objective"] is None  # the heads' chain loss has no options
+
+
+def test_length_batches_bound_padding_and_rows():
+    from drafters.training.batches import length_batches
+
+    lengths = [5, 1, 9, 3, 9, 2, 7, 4, 6, 8]
+    by_tokens = length_batches(lengths, 20)
+    assert sorted(i for b in by_tokens for i in b) == list(range(10))
+    assert all(len(b) * max(lengths[i] for i in b) <= 20 or len(b) == 1 for b in by_tokens)
+    assert [lengths[i] for b in by_tokens for i in b] == sorted(lengths)  # shortest first
+    by_rows = length_batches(lengths, rows=3, longest_first=True)
+    assert [len(b) for b in by_rows] == [3, 3, 3, 1]
+    assert [lengths[i] for b in by_rows for i in b] == sorted(lengths, reverse=True)
+    assert by_rows[0] == [2, 4, 9]  # equal lengths keep their order
+    shuffled = length_batches(lengths, 20, torch.Generator().manual_seed(0))
+    assert shuffled == length_batches(lengths, 20, torch.Generator().manual_seed(0))
+
+    def profile(batches: list[list[int]]) -> list[list[int]]:
+        return sorted(sorted(lengths[i] for i in b) for b in batches)
+
+    assert profile(shuffled) == profile(by_tokens)  # batches alike, in another order

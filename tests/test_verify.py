@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -165,10 +167,12 @@ V = 6
 
 
 class Tables:
-    """Conditional distributions over V tokens for every prefix, made up deterministically."""
+    """Conditional distributions over V tokens for every prefix, made up deterministically (``sampling``:
+    then put through its temperature and top-p)."""
 
-    def __init__(self, seed: int, scale: float, zeros: int = 0):
+    def __init__(self, seed: int, scale: float, zeros: int = 0, sampling: Sampling | None = None):
         self.seed, self.scale, self.zeros, self.memo, self.log_memo = seed, scale, zeros, {}, {}
+        self.sampling = sampling
 
     def __call__(self, prefix) -> torch.Tensor:
         key = tuple(prefix)
@@ -178,7 +182,7 @@ class Tables:
             if self.zeros:  # the draft never proposes these tokens
                 p[torch.randperm(V, generator=g)[: self.zeros]] = 0.0
                 p = p / p.sum()
-            self.memo[key] = p
+            self.memo[key] = p if self.sampling is None else probabilities(torch.log(p), self.sampling)
         return self.memo[key]
 
     def log(self, prefix) -> torch.Tensor:
@@ -193,14 +197,22 @@ def draw(rnd: random.Random, dist: torch.Tensor) -> int:
     return rnd.choices(range(V), weights=dist.tolist())[0]
 
 
+class Drafted(NamedTuple):
+    """A tree as drawn: its tokens and parents, and how to build it (``first_two`` builds each distinct one once)."""
+
+    tokens: list[int]
+    parents: list[int]
+    build: Callable[[], DraftTree]
+
+
 def chain_tree(ctx, q, rnd, depth=2):
     toks, dists = [], []
     for _ in range(depth):
         dist = q(ctx + toks)
         dists.append(dist)
         toks.append(draw(rnd, dist))
-    dists.append(torch.zeros(V))
-    return DraftTree.chain(toks, child_dists=torch.stack(dists))
+    rows = lambda: torch.stack(dists + [torch.zeros(V)])  # noqa: E731 - the leaf drafts no child
+    return Drafted(toks, list(range(depth)), lambda: DraftTree.chain(toks, child_dists=rows()))
 
 
 def fixed_children_tree(ctx, q, rnd):
@@ -217,7 +229,7 @@ def fixed_children_tree(ctx, q, rnd):
             tokens.append(tok)
             parents.append(node)
             frontier.append((len(tokens), depth + 1, path + [tok]))
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+    return Drafted(tokens, parents, lambda: DraftTree(torch.tensor(tokens), torch.tensor(parents)))
 
 
 def without_replacement_tree(ctx, q, rnd):
@@ -236,8 +248,8 @@ def without_replacement_tree(ctx, q, rnd):
             rows[node] = dist
             tokens.append(draw(rnd, dist))
             parents.append(node)
-    child_dists = torch.stack([rows.get(i, torch.zeros(V)) for i in range(len(tokens) + 1)])
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), child_dists=child_dists)
+    dists = lambda: torch.stack([rows.get(i, torch.zeros(V)) for i in range(len(tokens) + 1)])  # noqa: E731
+    return Drafted(tokens, parents, lambda: DraftTree(torch.tensor(tokens), torch.tensor(parents), child_dists=dists()))
 
 
 def tree_logits(tree: DraftTree, ctx, p: Tables) -> torch.Tensor:
@@ -249,23 +261,30 @@ def tree_logits(tree: DraftTree, ctx, p: Tables) -> torch.Tensor:
     return torch.stack([p.log(ctx + path) for path in paths])
 
 
-def first_two(rule, make_tree, p, q, s, gen, rnd):
-    """Emit tokens with repeated draft/accept steps (a mini engine) until two are out."""
+def first_two(rule, make_tree, p, q, s, gen, rnd, built: dict):
+    """Emit tokens with repeated draft/accept steps (a mini engine) until two are out. Every step draws its
+    tree and calls ``rule``; a tree drawn before (the same context, tokens and parents: the draft rows
+    follow from them) reuses the DraftTree and verify logits ``built`` holds, which cost as much as ``rule``."""
     out = []
     while len(out) < 2:
-        tree = make_tree(out, q, rnd)
-        result = rule(tree, tree_logits(tree, out, p), s, gen)
-        out += [int(tree.tokens[n - 1]) for n in result.path] + [result.bonus]
+        drafted = make_tree(out, q, rnd)
+        key = (tuple(out), tuple(drafted.tokens), tuple(drafted.parents))
+        if key not in built:
+            tree = drafted.build()
+            built[key] = tree, tree_logits(tree, out, p)
+        tree, logits = built[key]
+        result = rule(tree, logits, s, gen)
+        out += [drafted.tokens[n - 1] for n in result.path] + [result.bonus]
     return tuple(out[:2])
 
 
 def sample_pvalue(rule, make_tree, s, n, seed, p=None, q=None):
     p = p or Tables(seed=1, scale=1.3)
     q = q or Tables(seed=2, scale=1.3, zeros=2)
-    gen, rnd = torch.Generator().manual_seed(seed), random.Random(seed)
+    gen, rnd, built = torch.Generator().manual_seed(seed), random.Random(seed), {}
     counts: dict = {}
     for _ in range(n):
-        cell = first_two(rule, make_tree, p, q, s, gen, rnd)
+        cell = first_two(rule, make_tree, p, q, s, gen, rnd, built)
         counts[cell] = counts.get(cell, 0) + 1
     pt = lambda ctx: probabilities(torch.log(p(ctx)), s)  # noqa: E731 - the target after T / top-p
     expected = {(a, b): float(pt([])[a] * pt([a])[b]) for a in range(V) for b in range(V)}
@@ -276,7 +295,12 @@ def sample_pvalue(rule, make_tree, s, n, seed, p=None, q=None):
     return chi2_pvalue(first, first_exp), chi2_pvalue(counts, expected)
 
 
-N_SAMPLES = 20000
+# Power. The weakest negative control below (forgets-removal: w^2 = chi2 / n - df / n = 0.043 over the 36
+# joint cells, measured at n = 5000) is missed by the 1e-3 test at n = 5000 with probability 3e-16 (non-central
+# chi-square, df 35, lambda = n w^2 = 217), and by the controls' own 1e-6 bound with probability 1e-11; the others
+# have w^2 >= 0.35. At n = 5000 a w^2 of 0.014 is caught 99 times in 100 (0.0036 at the 20,000 used before).
+# With T = 0.7 and top-p the 9 joint cells give no-residual w^2 = 0.11: missed at n = 2500 with probability 5e-31.
+N_SAMPLES = 5000
 
 
 @pytest.mark.parametrize("make_tree", [chain_tree, fixed_children_tree, without_replacement_tree],
@@ -291,8 +315,7 @@ def test_rejection_sampling_is_lossless(make_tree):
 def test_rejection_sampling_is_lossless_with_temperature_and_top_p():
     """The target and draft distributions both go through T and top-p; the draft's q is processed too."""
     s = Sampling(temperature=0.7, top_p=0.85)
-    raw_q = Tables(seed=2, scale=1.3)
-    q = lambda ctx: probabilities(torch.log(raw_q(ctx)), s)  # noqa: E731
+    q = Tables(seed=2, scale=1.3, sampling=s)
     p_first, p_joint = sample_pvalue(accept, chain_tree, s, N_SAMPLES // 2, seed=7, q=q)
     assert p_first > 1e-3 and p_joint > 1e-3, (p_first, p_joint)
 
@@ -352,7 +375,7 @@ def forgets_removal(tree, logits, s, gen):
     ids=["accept-everything", "no-residual", "forgets-removal", "keeps-rejected-candidate"],
 )
 def test_chi_square_has_power(rule, make_tree):
-    """Negative controls: the same test with a wrong acceptance rule fails decisively (fewer samples)."""
+    """Negative controls: the same test with a wrong acceptance rule fails decisively (p < 1e-6, not 1e-3)."""
     s = Sampling(temperature=1.0)
-    p_first, p_joint = sample_pvalue(rule, make_tree, s, N_SAMPLES // 4, seed=123)
+    p_first, p_joint = sample_pvalue(rule, make_tree, s, N_SAMPLES, seed=123)
     assert min(p_first, p_joint) < 1e-6, (p_first, p_joint)

@@ -1,21 +1,18 @@
-"""Command line: ``python -m specviz {generate,bench,profile,report,data,train,validate,tune,sweep,methods}``."""
+"""Command line: ``python -m specviz {generate,bench,profile,report,data,train,validate,tune,sweep,methods}``.
+
+This module parses arguments and calls: each command's work is in the module named beside it."""
 
 from __future__ import annotations
 
 import argparse
-import faulthandler
-import glob
 import json
-import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-from drafters import METHODS, build_drafter
+from drafters import METHODS
 from specviz.core.errors import SpecvizError
+from specviz.core.files import atomic_write
 from specviz.core.verify import RULES, Sampling
-
-GREEN, YELLOW, RESET = "\033[32m", "\033[33m", "\033[0m"
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -90,9 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--tree", action="store_true", help="verify trees (a 4D mask) instead of chains")
     pr.add_argument("--out", default=None)
 
-    rep = sub.add_parser("report", help="a results.json from bench as a Markdown table")
-    rep.add_argument("results", nargs="+", help="one file, or several runs of the same prompts and settings "
+    rep = sub.add_parser("report", help="a results.json from bench as Markdown tables; --docs: docs/results.md")
+    rep.add_argument("results", nargs="*", help="one file, or several runs of the same prompts and settings "
                                                 "to report as one (each method from the first run that has it)")
+    rep.add_argument("--docs", action="store_true",
+                     help="regenerate docs/results.md from every results file committed in assets/bench")
 
     d = sub.add_parser("data", help="build the training sequences (self-distilled in resumable shards)")
     _data_args(d)
@@ -155,423 +154,132 @@ def _sampling(args) -> Sampling:
     return Sampling(temperature=args.temperature, top_p=args.top_p, rule=args.rule, seed=args.seed)
 
 
-def stream_coloured(target, steps, enabled: bool, out=None) -> list:
-    """Print each step's tokens as they arrive (accepted drafts green, target tokens yellow)."""
-    out = out or sys.stdout
-    records, ids, shown = [], [], ""
-    try:
-        for record in steps:
-            records.append(record)
-            for i, tok in enumerate(record.tokens):
-                ids.append(tok)
-                text = target.decode(ids)
-                piece, shown = text[len(shown):] if text.startswith(shown) else target.decode([tok]), text
-                colour = GREEN if i < record.accepted else YELLOW
-                out.write(f"{colour}{piece}{RESET}" if enabled else piece)
-            out.flush()
-    except KeyboardInterrupt:  # keep what was generated and still report it
-        out.write("\n[stopped]")
-    out.write("\n")
-    return records
-
-
-def cmd_generate(args) -> None:
-    from specviz.core.engine import check_request, generate
+def _target(args):
     from specviz.core.load import load_target
-    from specviz.core.metrics import acceptance_by_depth, extra_memory_pct, summarize
 
-    from .bench import parse_method
-    from .tuning import resolve
+    return load_target(args.target, args.dtype, args.device, pack=not args.no_pack)
+
+
+def cmd_generate(args) -> None:  # apps.generate
+    from .generate import generate_and_report
 
     sampling = _sampling(args)
     if not args.prompt.strip():
         raise SpecvizError("the prompt is empty")
-    name, settings = parse_method(args.method)
-    target = load_target(args.target, args.dtype, args.device, pack=not args.no_pack)
-    settings, tuned = resolve(target, name, settings)
-    if tuned is not None:
-        print(f"budget for this machine: {tuned.describe()}", flush=True)
-    drafter = build_drafter(name, target, **settings)
-    ids = target.encode_chat(args.prompt)
-    check_request(target, ids, args.max_new_tokens)
     colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    records = stream_coloured(target, generate(target, drafter, ids, args.max_new_tokens, sampling), colour)
-    m = summarize(records)  # engine time only: printing is not charged to the method
-    print()
-    if colour:
-        print(f"legend: {GREEN}accepted draft token{RESET}  {YELLOW}target token (bonus / correction){RESET}")
-    print(f"method {args.method}: {m.new_tokens} tokens in {m.wall_s:.2f} s = {m.tokens_per_s:.1f} tok/s, "
-          f"{m.steps} target forwards after prefill")
-    print(f"tau (tokens per target forward, bonus included) = {m.tau:.2f}; mean draft tree size {m.mean_tree_size:.1f}"
-          + ("" if m.mean_compression is None else f"; beam compression {m.mean_compression:.2f}"))
-    print("latency per token (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in m.latency_ms.items()))
-    rule = sampling.resolved_rule
-    print(f"acceptance rule: {rule}"
-          + ("" if sampling.lossless else " (LOSSY: the output distribution is not the target's)"))
-    print(f"extra memory: {extra_memory_pct(drafter.num_parameters(), target.num_parameters):.1f}% "
-          "of target parameters")
-    for depth, (c, u) in enumerate(zip(*acceptance_by_depth(records)), start=1):
-        print(f"  alpha depth {depth}: conditional {c:.3f} (accepted / steps reaching depth), "
-              f"unconditional {u:.3f} (accepted / all steps)")
+    generate_and_report(_target(args), args.method, args.prompt, args.max_new_tokens, sampling, colour)
 
 
-def _bench_log(args, out: Path, questions: list, settings: dict, resolve: Callable[[], dict]):
-    """This bench's run log, output, questions and budgets (``resolve()`` when no log fixes them). ``--part K/N``
-    runs the K-th of N blocks of the questions the full run has not logged yet, in a log of its own at the full
-    run's budgets; the full command with ``--resume`` takes finished parts in (``RunLog.absorb``), so a τ bench
-    can run one process per core."""
-    from .runlog import RunLog
-
-    ignore = ("machine",) if args.any_machine else ()
-    log = RunLog(out.with_name(out.name + ".runs"), settings, ignore)
-    if not args.part:
-        if not args.resume:
-            return log, out, questions, resolve()
-        parts = sorted(out.parent.glob(f"{glob.escape(out.name)}.part*-of-*.runs"))
-        if parts and not log.path.exists():  # only parts ran: their budgets are the run's
-            first = RunLog(parts[0], settings, ignore).on_file()[0]
-            log.check(first, but=("questions", "budgets"), source=parts[0])
-            log.settings["budgets"] = first["budgets"]
-            log.start()
-        log.settings["budgets"] = log.budgets()
-        for part in log.absorb(parts):
-            part.unlink()
-            out.with_name(part.name.removesuffix(".runs")).unlink(missing_ok=True)
-            print(f"took in {part.name}")
-        return log, out, questions, log.settings["budgets"]
-    try:
-        k, n = (int(x) for x in args.part.split("/"))
-        assert 1 <= k <= n
-    except (ValueError, AssertionError):
-        raise SpecvizError(f"--part takes K/N with 1 <= K <= N, got {args.part!r}") from None
-    out = out.with_name(f"{out.name}.part{k}-of-{n}")
-    part = RunLog(out.with_name(out.name + ".runs"), dict(settings), ignore)
-    if args.resume:  # this part's own questions, however far the full run has got since
-        ids = set(part.on_file()[0]["questions"])
-        block, budgets = [q for q in questions if q.id in ids], part.budgets()
-    else:
-        if not log.path.exists():  # the first part to get here writes the full run's log: all run at its budgets
-            log.settings["budgets"] = resolve()
-            log.start(exclusive=True)
-        done, budgets = len(log.on_file()[1]), log.budgets()
-        size = -(-(len(questions) - done) // n)
-        block = questions[done + (k - 1) * size : done + k * size]
-        if not block:
-            raise SpecvizError(f"part {k} of {n} has no questions: {len(questions) - done} are left to run")
-    part.settings["questions"] = [q.id for q in block]
-    return part, out, block, budgets
-
-
-def cmd_bench(args) -> None:
-    from specviz.core.load import load_target
-
-    from .bench import bench, exactness_text, machine_fingerprint, record_benchmark, resolved_budgets, save_results
+def cmd_bench(args) -> None:  # apps.bench (the loop) and apps.runlog (its log, --part and --resume)
+    from .cards import record_benchmark
     from .questions import load_questions
+    from .report import summary_table
+    from .runlog import bench_settings, finish_bench_log, logged_bench, open_bench_log
+    from .tuning import resolved_budgets
 
     sampling = _sampling(args)
     methods = [m for m in args.methods.split(",") if m.strip()]
     questions = load_questions(args.questions, args.limit, args.per_category)
-    target = load_target(args.target, args.dtype, args.device, pack=not args.no_pack)
-    out = Path(args.out)
-    settings = {
-        "methods": methods, "questions": [q.id for q in questions], "max new tokens": args.max_new_tokens,
-        "sampling": [sampling.temperature, sampling.top_p, sampling.resolved_rule], "target": target.name,
-        "dtype": args.dtype, "device": str(target.device), "machine": machine_fingerprint()
-        + ("" if target.kernels == "default" else "; packed linear weights")}  # kernels change speed as a machine does
+    target = _target(args)
+    settings = bench_settings(target, methods, questions, args.max_new_tokens, sampling, args.dtype)
     # a resume runs at the budgets its log recorded, not at what the tuner (or a lost cache) would choose now
-    log, out, questions, budgets = _bench_log(args, out, questions, settings, lambda: resolved_budgets(target, methods))
-    log.settings["budgets"] = budgets
-    runs = log.resume() if args.resume else {}
-    if args.resume:
-        print(f"resuming: {len(runs.get('ar', []))} of {len(questions)} prompts already done")
-    else:
-        log.start()
-
-    logged = len(runs.get("ar", []))
-
-    def save(results: dict) -> None:  # after every prompt, so a killed run keeps what it finished
-        nonlocal logged
-        results["questions"] = args.questions
-        save_results(out, results)
-        for i in range(logged, len(runs["ar"])):
-            log.append({label: r[i] for label, r in runs.items()})
-        logged = len(runs["ar"])
-        watchdog()
-
-    def watchdog() -> None:  # a prompt stuck past --watchdog seconds prints where every thread is
-        faulthandler.dump_traceback_later(args.watchdog, repeat=True, file=sys.__stderr__)
-
-    watchdog()
-    try:
-        results = bench(target, methods, questions, args.max_new_tokens, sampling, on_prompt=save, runs=runs,
-                        budgets=budgets)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-    save(results)
-    faulthandler.cancel_dump_traceback_later()
-    print(f"{'method':28} {'tau':>6} {'tok/s':>7} {'speedup':>8} {'identical':>10}")
-    for label, m in results["methods"].items():
-        tau = f"{m['tau']:.2f}" if "tau" in m else "-"
-        print(f"{label:28} {tau:>6} {m['tokens_per_s']:7.1f} {m['speedup']:7.2f}x {exactness_text(m):>10}")
-    if results["interrupted"]:
-        print(f"interrupted: kept the {len(results['per_prompt'])} prompts every method finished; "
-              "the same command with --resume goes on from there")
-    elif args.part:
-        print(f"part {args.part} done: the command without --part, with --resume, takes it in")
-    else:
-        log.remove()
-    print(f"wrote {out}")
-    if args.update_cards and not results["interrupted"] and not args.part:
-        for folder in record_benchmark(results, args.out):
+    plan = open_bench_log(Path(args.out), questions, settings, lambda: resolved_budgets(target, methods), args.part,
+                          args.resume, args.any_machine)
+    result = logged_bench(target, methods, plan, args.max_new_tokens, sampling, args.resume, args.questions,
+                          args.watchdog)
+    print(summary_table(result))
+    finish_bench_log(plan, result, args.part)
+    if args.update_cards and not result.interrupted and not args.part:
+        for folder in record_benchmark(result, args.out):
             print(f"updated {folder / 'card.json'}")
 
 
-def cmd_profile(args) -> None:
-    from specviz.core.load import load_target
-
-    from .profile import profile
+def cmd_profile(args) -> None:  # apps.profile
+    from .profile import curve_text, profile
 
     sizes = [1]
     while sizes[-1] * 2 <= args.max_size:
         sizes.append(sizes[-1] * 2)
-    target = load_target(args.target, args.dtype, args.device, pack=not args.no_pack)
-    result = profile(target, args.context, sizes, args.repeats, tree=args.tree)
-    print(f"verify cost of a {result['shape']} on {result['machine']} ({result['dtype']}, "
-          f"{args.context} cached tokens):")
-    for row in result["curve"]:
-        print(f"  {row['tokens']:3d} tokens: {row['ms']:7.1f} ms  ({row['relative_to_1']:.2f}x one token)")
+    result = profile(_target(args), args.context, sizes, args.repeats, tree=args.tree)
+    print(curve_text(result))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        atomic_write(Path(args.out), json.dumps(result, indent=1))
 
 
-def markdown_table(results: dict) -> str:
-    """τ, α, speed and equality per method, in the README's format."""
-    from .bench import exactness_text, markdown_rows
+def cmd_report(args) -> None:  # apps.report
+    from .report import report, write_results_doc
 
-    lines = []
-    for label, m in results["methods"].items():
-        tau = f"{m['tau']:.2f}" if "tau" in m else "–"
-        cond = " / ".join(f"{a:.2f}" for a in m.get("alpha_conditional", [])[:4]) or "–"
-        uncond = " / ".join(f"{a:.2f}" for a in m.get("alpha_unconditional", [])[:4]) or "–"
-        lat = " · ".join(f"{v:.1f}" for v in m["latency_ms"].values()) if "latency_ms" in m else "–"
-        lines.append(f"| `{label}` | {tau} | {cond} | {uncond} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}× "
-                     f"| {exactness_text(m)} | {lat} |")
-    return markdown_rows(["method", "τ", "α_1..4 conditional", "α_1..4 unconditional", "tok/s", "speedup vs ar",
-                          "identical to AR", "ms/token draft · verify · accept · other"], lines)
-
-
-def budget_table(results: dict) -> str:
-    """Each tuned method's expected figures next to the measured ones ('' when none was tuned)."""
-    from .bench import markdown_rows
-
-    rows = []
-    for label, m in results["methods"].items():
-        b = m.get("budget") or {}
-        if not b.get("tuned"):
-            continue
-        settings = ", ".join(f"{k} {v}" for k, v in b["settings"].items() if k != "checkpoint")
-        want, got = b.get("expected_ms_per_token", {}), m.get("latency_ms", {})
-        split = (" · ".join(f"{want[k]:.1f}" for k in ("draft", "verify", "accept+other")) + " / "
-                 + " · ".join(f"{v:.1f}" for v in (got["draft"], got["verify"], got["accept"] + got["other"]))
-                 if want and got else "–")
-        rows.append(f"| `{label}` | {settings} | {b['expected_tau']:.2f} / {m.get('tau', float('nan')):.2f} "
-                    f"| {b['expected_speedup']:.2f}× / {m['speedup']:.2f}× | {split} |")
-    return markdown_rows(["method", "tuned budget", "τ expected / measured", "speedup expected / measured",
-                          "ms/token draft · verify · accept+other, expected / measured"], rows)
-
-
-def cmd_report(args) -> None:
-    from .bench import load_results, merge_results
-    from .orderings import ordering_table
-
-    results = merge_results([load_results(Path(p)) for p in args.results], args.results)
-    if len(args.results) > 1:
-        print("merged from " + ", ".join(args.results) + " (speeds compare within one run only)")
-    print(f"{results.get('questions', '?')}, {len(results['per_prompt'])} prompts, "
-          f"{results['max_new_tokens']} new tokens, "
-          f"{results['dtype']}, {results['sampling']['rule']}; {results['machine']}, {results['date']}"
-          + (f"; linear layers on {results['linear_kernels']} kernels (`hf` on the default ones)"
-             if results.get("linear_kernels", "default") != "default" else "") + "\n")
-    print(markdown_table(results))
-    budgets = budget_table(results)
-    if budgets:
-        print("\nTuned budgets, expected against measured:\n\n" + budgets)
-    orderings = ordering_table(results)
-    if orderings:
-        print("\nThe papers' orderings, at equal budgets:\n\n" + orderings)
+    if not args.results and not args.docs:
+        raise SpecvizError("report takes one or more results files, or --docs")
+    if args.results:
+        print(report(args.results))
+    if args.docs:
+        print(f"wrote {write_results_doc()}")
 
 
 def _recipe(args, device: str):
-    from drafters.corpus import DataRecipe
-    from specviz.core.load import resolve_dtype_or_auto
+    from .training import data_recipe
 
-    samples = None if args.samples == "all" else int(args.samples) if args.samples.isdigit() else 0
-    if samples is not None and samples < 1:
-        raise SpecvizError(f"--samples must be a positive number or 'all', got {args.samples!r}")
-    feature_dtype = getattr(args, "feature_dtype", None)  # train and validate read features; data does not
-    return DataRecipe(samples, not args.no_self_distill, args.max_prompt_tokens, args.answer_tokens,
-                      batch_size=args.distill_batch, prompts=args.prompts,
-                      distill_dtype=resolve_dtype_or_auto(args.distill_dtype, device),
-                      feature_dtype=resolve_dtype_or_auto(feature_dtype, device) if feature_dtype else None)
+    return data_recipe(args.samples, not args.no_self_distill, args.max_prompt_tokens, args.answer_tokens,
+                       args.distill_batch, args.prompts, args.distill_dtype, getattr(args, "feature_dtype", None),
+                       device)  # train and validate read features; data does not
 
 
-def cmd_data(args) -> None:
-    from drafters.corpus import SHIPPED_SEQUENCES, prepare_sequences, save_sequences
-    from specviz.core.load import cache_dir, default_device, load_target
+def cmd_data(args) -> None:  # apps.training
+    from specviz.core.load import default_device
+
+    from .training import build_data
 
     device = args.device or default_device()
-    recipe = _recipe(args, device)
-    target = load_target(args.target, "float32", device)
-    splits = prepare_sequences(target, recipe, cache_dir() / "train")
-    tokens = {name: sum(int(s.numel()) - a for s, a in seqs) for name, seqs in splits.items()}
-    print(f"sequences {recipe.key(target)}: {len(splits['train'])} train ({tokens['train']:,} answer tokens), "
-          f"{len(splits['val'])} validation, in {cache_dir() / 'train'}")
-    if args.ship:
-        path = SHIPPED_SEQUENCES / f"sequences-{recipe.key(target)}.safetensors.xz"
-        save_sequences(path, splits, recipe.card(target))
-        print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    build_data(args.target, device, _recipe(args, device), args.ship)
 
 
-def _drafters_to_train(spec: str) -> list[str]:
-    trained = [n for n, (c, _) in METHODS.items() if c.trained]
-    names = trained if spec == "all" else [n.strip() for n in spec.split(",") if n.strip()]
-    wrong = [n for n in names if n not in trained]
-    if wrong or not names:
-        raise SpecvizError(f"{', '.join(wrong) or spec!r} is not a trained drafter; choose from "
-                           f"{', '.join(trained)} (or a comma-separated list, or all)")
-    return names
+def cmd_train(args) -> None:  # apps.training
+    from drafters.training.config import TrainConfig
+    from specviz.core.load import default_device
 
+    from .training import drafters_to_train, train_drafters
 
-def cmd_train(args) -> None:
-    """Train one drafter, a list, or all of them at one equal budget (same data, config and epochs)."""
-    import hashlib
-    import shutil
-
-    import torch
-
-    from drafters.checkpoint import CARD, ship_checkpoint
-    from drafters.corpus import prepare
-    from drafters.train import OUTSIDE_RUN_KEY, TrainConfig, make_accelerator, saved_state, train
-    from specviz.core.load import cache_dir, default_device, load_target
-
-    names = _drafters_to_train(args.drafter)
-    if args.out and len(names) > 1:
-        raise SpecvizError("--out names one checkpoint folder; train several drafters without it")
+    names = drafters_to_train(args.drafter)
     device = args.device or default_device()
-    recipe = _recipe(args, device)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
                       seed=args.seed, device=device, precision=args.precision, save_every=args.save_every,
                       validate_every=args.validate_every)
-    if torch.device(device).type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)  # the CPU only batches for a GPU: more threads slowed one H200 run (61 vs 85
-        # steps/s) and stalled seven runs sharing 16 cores (2 s a step)
-    accelerator = make_accelerator(cfg)  # one process per device under `accelerate launch`
-    target = load_target(args.target, "float32", str(accelerator.device))
-    taps_all = all(METHODS[name][0].tapped_layers(target.num_layers) for name in names)  # each runs the body itself
-    train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train", features=not taps_all)
-    for name in names:
-        config = {k: v for k, v in vars(cfg).items() if k not in OUTSIDE_RUN_KEY}
-        objective = getattr(METHODS[name][0], "loss", None)  # a changed objective is another run
-        run = json.dumps([name, recipe.features_key(target), config, objective], sort_keys=True, default=str)
-        work = cache_dir() / "train" / "runs" / f"{name}-{hashlib.sha1(run.encode()).hexdigest()[:12]}"
-        finished = work / "checkpoint"
-        out = Path(args.out) if args.out else finished
-        if args.resume and (finished / CARD).exists():  # trained to the end before: reuse it
-            if out != finished:
-                shutil.copytree(finished, out, dirs_exist_ok=True)
-            print(f"{name}: finished before, in {finished}" + (f"; copied to {out}" if out != finished else ""))
-        else:
-            saved = saved_state(work) is not None
-            if args.resume and not saved:
-                print(f"{name}: no saved state in {work}; starting it", flush=True)
-            card = train(METHODS[name][0], target, train_set, val_set, cfg, meta, out, work, args.resume and saved,
-                         accelerator)
-            if out != finished and accelerator.is_main_process:  # the run folder keeps the final one too
-                shutil.copytree(out, finished, dirs_exist_ok=True)
-            print(f"wrote {out} ({card['parameters']['trained']:,} trained parameters, "
-                  f"{card['training']['steps']} steps in {card['training']['wall_s']:.0f} s); "
-                  f"validation {card['history'][-1]['val']}")
-        if args.ship and accelerator.is_main_process:
-            print(f"shipped {name} to {ship_checkpoint(finished, name)}")
+    train_drafters(names, args.target, _recipe(args, device), cfg, args.out, args.resume, args.ship)
 
 
-def cmd_validate(args) -> None:
-    """Agreement per depth of existing checkpoints on a recipe's held-out prompts, measured as training does:
-    compare checkpoints trained on different data on one split."""
-    from drafters.corpus import validation_set
-    from drafters.train import TrainConfig, depths, validate_checkpoint
-    from specviz.core.load import cache_dir, default_device, load_target
+def cmd_validate(args) -> None:  # apps.training
+    from specviz.core.load import default_device
 
-    names = _drafters_to_train(args.drafter)
-    if args.checkpoint and len(names) > 1:
-        raise SpecvizError("--checkpoint names one checkpoint folder; validate several drafters without it")
+    from .training import drafters_to_train, validate_drafters
+
+    names = drafters_to_train(args.drafter)
     device = args.device or default_device()
-    recipe = _recipe(args, device)
-    target = load_target(args.target, "float32", device)
-    val_set, meta = validation_set(target, recipe, cache_dir() / "train")
-    cfg = TrainConfig(batch_tokens=args.batch_tokens, device=device)
-    folder, results = Path(args.checkpoint) if args.checkpoint else None, {}
-    print(f"held-out split {recipe.features_key(target)}: {len(val_set)} prompts")
-    for name in names:
-        results[name] = validate_checkpoint(METHODS[name][0], target, folder, val_set, meta, cfg)
-        print(f"{name:10} agreement by depth {depths(results[name])}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"split": recipe.features_key(target), "prompts": len(val_set),
-                                              "validation": results}, indent=2) + "\n")
+    validate_drafters(names, args.target, device, _recipe(args, device), args.checkpoint, args.batch_tokens, args.out)
 
 
-def cmd_sweep(args) -> None:
-    from specviz.core.load import load_target
-
-    from .bench import machine_description
+def cmd_sweep(args) -> None:  # apps.sweep
     from .questions import load_questions
-    from .sweep import sweep
+    from .sweep import sweep_to_file
 
     try:
         temperatures = [float(t) for t in args.temperatures.split(",")]
     except ValueError:
         raise SpecvizError(f"--temperatures must be numbers separated by commas, got {args.temperatures!r}") from None
-    target = load_target(args.target, args.dtype, args.device, pack=not args.no_pack)
     questions = load_questions(args.questions, per_category=args.per_category)
-    rows = []
-    for rows in sweep(target, args.methods.split(","), questions, temperatures, args.rules.split(","),
-                      args.max_new_tokens, args.seed or 0):
-        Path(args.out).write_text(json.dumps({"machine": machine_description(), "dtype": str(target.dtype),
-                                              "rows": rows}, indent=1))
-        last = rows[-1]
-        print(f"T={last['temperature']} {last['rule']}: " + ", ".join(
-            f"{r['method']} {r['speedup']:.2f}x ll {r['log_likelihood']:.3f}" for r in rows
-            if r["temperature"] == last["temperature"] and r["rule"] == last["rule"]), flush=True)
+    sweep_to_file(_target(args), args.methods.split(","), questions, temperatures, args.rules.split(","),
+                  args.max_new_tokens, args.seed or 0, Path(args.out))
     print(f"wrote {args.out}")
 
 
-def cmd_tune(args) -> None:
-    from specviz.core.load import load_target
+def cmd_tune(args) -> None:  # apps.tuning
+    from .tuning import tune_and_report
 
-    from .tuning import machine_costs, tune
-
-    target = load_target(args.target, args.dtype, args.device, pack=not args.no_pack)
     names = list(METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     for name in names:
         if name not in METHODS:
             raise SpecvizError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    costs = machine_costs(target, args.refresh)
-    for shape, curve in (("chain", costs.chain), ("tree", costs.tree)):
-        print(f"verify cost of a {shape}, fitted non-decreasing ({str(target.dtype).replace('torch.', '')}, "
-              f"{target.device}): "
-              + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in zip(curve.tokens, curve.ms)))
-    print(f"AR's own per-step overhead {costs.ar_other_ms:.1f} ms")
-    for shape, pad in target.padding.items():
-        print(f"{shape}s padded to a size this machine verifies faster: "
-              + (", ".join(f"{n} -> {m}" for n, m in pad.items()) or "none"))
-    for name in names:
-        try:
-            tuned = tune(target, name, refresh=args.refresh)
-        except SpecvizError as e:
-            print(f"{name}: not tuned ({e})")
-            continue
-        took = f"  [tuned in {tuned.seconds:.1f} s]" if tuned.seconds else "" if not tuned.settings else "  [cached]"
-        print(tuned.describe() + took)
+    tune_and_report(_target(args), names, args.refresh)
 
 
 def cmd_methods(_args) -> None:
@@ -582,13 +290,15 @@ def cmd_methods(_args) -> None:
         print(f"{name:10} {cls.title}" + (f"  [{opts}]" if opts else ""))
 
 
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "report": cmd_report,
+            "methods": cmd_methods, "train": cmd_train, "data": cmd_data, "tune": cmd_tune, "sweep": cmd_sweep,
+            "validate": cmd_validate}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile,
-                    "report": cmd_report, "methods": cmd_methods, "train": cmd_train, "data": cmd_data,
-                    "tune": cmd_tune, "sweep": cmd_sweep, "validate": cmd_validate}
-        commands[args.command](args)
+        COMMANDS[args.command](args)
     except SpecvizError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

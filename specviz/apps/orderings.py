@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from drafters import METHODS
 
-from .bench import markdown_rows, parse_method
+from .methods import parse_method
+from .results import MethodSummary, markdown_rows
 
 PAPER_TREE = METHODS["eagle2"][1].PAPER  # EAGLE-2's 6/10/60 tree, shared by every dynamic-tree method
 TREE_16 = {"depth": 4, "top_k": 4, "total_tokens": 16}
@@ -52,22 +53,21 @@ def _key(name: str, settings: dict) -> tuple:
     return name, tuple(sorted(settings.items()))
 
 
-def ordering_table(results: dict) -> str:
-    """A Markdown table of every claim whose two methods the bench ran ('' when none)."""
-    runs = {_key(*parse_method(label)): (label, m) for label, m in results["methods"].items() if "tau" in m}
+def ordering_table(methods: dict[str, MethodSummary]) -> str:
+    """A Markdown table of every claim whose two methods a bench ran (``BenchResult.methods``; '' when none)."""
+    runs = {_key(*parse_method(label)): m for label, m in methods.items() if m.tau is not None}
     rows = []
     for c in _claims():
         a, b = runs.get(_key(*c.ours)), runs.get(_key(*c.baseline))
         if a is None or b is None:
             continue
-        ratio = a[1]["tau"] / b[1]["tau"]
-        same_run = a[1].get("run") == b[1].get("run")  # merged results: speeds compare within one run only
-        speed = f"{a[1]['speedup'] / b[1]['speedup']:.2f}" if same_run else "–"
+        ratio = a.tau / b.tau
+        same_run = a.run == b.run  # merged results: speeds compare within one run only
+        speed = f"{a.speedup / b.speedup:.2f}" if same_run else "–"
         verdict = "–" if c.bar is None else f"≥ {c.bar:.2f}: " + ("**holds**" if ratio >= c.bar else "does not hold")
-        alphas = " vs ".join(" / ".join(f"{x:.2f}" for x in m.get("alpha_conditional", [])[:4]) or "–"
-                             for m in (a[1], b[1]))
-        nodes = " / ".join(f"{m['mean_tree_size']:.1f}" if "mean_tree_size" in m else "–" for m in (a[1], b[1]))
-        rows.append(f"| {c.paper}: `{c.ours[0]}` over `{c.baseline[0]}` | {c.budget} | {nodes} | {a[1]['tau']:.2f} / "
-                    f"{b[1]['tau']:.2f} | {ratio:.3f} | {verdict} | {speed} | {alphas} |")
+        alphas = " vs ".join(" / ".join(f"{x:.2f}" for x in (m.alpha_conditional or [])[:4]) or "–" for m in (a, b))
+        nodes = " / ".join("–" if m.mean_tree_size is None else f"{m.mean_tree_size:.1f}" for m in (a, b))
+        rows.append(f"| {c.paper}: `{c.ours[0]}` over `{c.baseline[0]}` | {c.budget} | {nodes} | {a.tau:.2f} / "
+                    f"{b.tau:.2f} | {ratio:.3f} | {verdict} | {speed} | {alphas} |")
     return markdown_rows(["claim", "budget", "nodes verified per step, ours / baseline", "τ ours / baseline",
                           "τ ratio", "bar", "speed ratio", "α_1..4 conditional, ours vs baseline"], rows)

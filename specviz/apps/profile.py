@@ -13,7 +13,7 @@ from specviz.core.target import TargetModel
 from specviz.core.timing import now
 from specviz.core.tree import DraftTree
 
-from .bench import machine_description
+from .machine import machine_description
 
 
 def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 7,
@@ -41,7 +41,7 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
         order = list(sizes)[i % len(sizes):] + list(sizes)[: i % len(sizes)]
         for n in order:
             start = now(target.device)
-            target.verify(prompt[-1], drafts[n], cache, pad=False)  # the raw cost of each size
+            target.verify(prompt[-1], drafts[n], cache)  # unpadded: the raw cost of each size
             elapsed = now(target.device) - start
             cache.crop(-n)
             if i:  # the first round warms up
@@ -53,3 +53,12 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
     return {"target": target.name, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
             "context": context, "shape": "tree" if tree else "chain", "machine": machine_description(),
             "date": time.strftime("%Y-%m-%d"), "curve": rows}
+
+
+def curve_text(result: dict) -> str:
+    """``profile``'s result as the terminal shows it: ms per size, and as a multiple of one token."""
+    lines = [f"verify cost of a {result['shape']} on {result['machine']} ({result['dtype']}, "
+             f"{result['context']} cached tokens):"]
+    lines += [f"  {row['tokens']:3d} tokens: {row['ms']:7.1f} ms  ({row['relative_to_1']:.2f}x one token)"
+              for row in result["curve"]]
+    return "\n".join(lines)

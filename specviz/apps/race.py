@@ -2,7 +2,9 @@
 
 Each step is timed alone, and the method furthest behind in its own measured time advances next,
 so at any moment every column shows how far that method would have got running alone. All lanes
-share the one target model; each decode keeps its own KV cache, so no lane sees another's.
+share the one target model; each decode keeps its own KV cache and drafter state, so no lane sees
+another's, and several races may share drafter objects. Every step carries what the app shows
+(``engine.DISPLAY``: the target's probabilities for hovers, the margins for near-tie badges).
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from specviz.core.engine import StepRecord, generate, output_ids
+from specviz.core.engine import DISPLAY, StepRecord, generate, output_ids
 from specviz.core.errors import SpecvizError
 from specviz.core.protocol import Drafter
-from specviz.core.target import TargetModel
+from specviz.core.target import TargetModel, VerifyPadding
 from specviz.core.verify import Sampling
 
 
@@ -34,14 +36,16 @@ class Lane:
 
 
 def race(target: TargetModel, drafters: dict[str, Drafter], prompt_ids: list[int], max_new_tokens: int,
-         sampling: Sampling | None = None) -> Iterator[Lane]:
+         sampling: Sampling | None = None, padding: VerifyPadding | None = None) -> Iterator[Lane]:
     """Advance the lane with the least measured time, one step at a time; yield it after each step.
 
     A method that fails, with any exception, is stopped with its error on the lane; the others go on.
+    ``padding``: the verify sizes this machine pads (``tuning.machine_costs``).
     """
     lanes = [Lane(label, d) for label, d in drafters.items()]
     for lane in lanes:
-        lane._steps = generate(target, lane.drafter, prompt_ids, max_new_tokens, sampling)
+        lane._steps = generate(target, lane.drafter, prompt_ids, max_new_tokens, sampling, observers=DISPLAY,
+                               padding=padding)
     while active := [lane for lane in lanes if not lane.finished]:
         lane = min(active, key=lambda x: x.clock)
         start = time.perf_counter()

@@ -37,7 +37,8 @@ CSS = """
 #step-info { overflow-x: auto; }
 """
 LAYOUT = dict(uirevision="specviz", height=300, margin=dict(l=50, r=20, t=40, b=40))
-pio.templates.default = "plotly_white"  # as the default, not per figure: a figure's own template costs 20 ms of checks
+# as the default, not per figure: a figure's own template runs plotly's checks every time
+pio.templates.default = "plotly_white"
 
 
 def escape(text: str) -> str:
@@ -60,6 +61,11 @@ def _p(value) -> str:
     return "–" if value is None else f"{float(value):.3f}"
 
 
+def node_p(record: StepRecord, i: int) -> float | None:
+    """The target's probability of draft node ``i`` (0-based), where an observer filled it (``engine.hover``)."""
+    return float(record.node_target_p[i]) if i < record.node_target_p.numel() else None
+
+
 def step_html(record: StepRecord, decode, show_rejected: bool) -> str:
     """One step's spans: accepted drafts, then rejected alternatives (optional), then the bonus."""
     tree, out = record.tree, []
@@ -68,7 +74,7 @@ def step_html(record: StepRecord, decode, show_rejected: bool) -> str:
 
     def node_title(i: int, what: str) -> str:
         return (f"step {record.step} · depth {depths[i]} · {what} · draft p {_p(draft_p[i])} · "
-                f"target p {_p(record.node_target_p[i])}")
+                f"target p {_p(node_p(record, i))}")
 
     for node, token in zip(record.path, record.tokens):
         out.append(_span("acc", decode([token]), node_title(node - 1, "accepted draft")))
@@ -124,13 +130,13 @@ def step_detail(record: StepRecord, decode, before: list[int], label: str = "", 
                     if greedy else "rejection sampling: kept with probability min(1, target p / draft p)")
             parts.append(f"<p>It stopped at depth {len(path) + 1}: the first rejected node, "
                          f"<code>{html.escape(tok[i - 1])}</code>, had draft p {_p(draft_p[i - 1])} and target p "
-                         f"{_p(record.node_target_p[i - 1])} ({rule}).</p>")
+                         f"{_p(node_p(record, i - 1))} ({rule}).</p>")
         else:
             parts.append(f"<p>It stopped at depth {len(path) + 1} because the draft ended there.</p>")
         rows = "".join(
             f'<tr class="sv-{o.split()[0]}"><td>{i}</td><td>{depths[i - 1]}</td><td>{parents[i - 1]}</td>'
             f"<td><code>{html.escape(tok[i - 1])}</code></td><td>{_p(draft_p[i - 1])}</td>"
-            f"<td>{_p(record.node_target_p[i - 1])}</td><td>{o}</td></tr>"
+            f"<td>{_p(node_p(record, i - 1))}</td><td>{o}</td></tr>"
             for i, o in enumerate(outcome, start=1))
         parts.append('<table class="sv-nodes"><tr><th>node</th><th>depth</th><th>parent</th><th>token</th>'
                      f"<th>draft p</th><th>target p</th><th></th></tr>{rows}</table>")

@@ -10,12 +10,12 @@ are cached per machine, target, dtype, device and checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -25,22 +25,23 @@ from drafters.checkpoint import default_path, weights_file
 from drafters.trained import TrainedDrafter
 from specviz.core.budget import Budget, Option, VerifyCurve, choose, estimate, padded_curve, padding
 from specviz.core.engine import StepRecord, generate, output_ids, run
-from specviz.core.errors import SettingsError
-from specviz.core.load import cache_dir, cpu_flags, cpuinfo
+from specviz.core.errors import SettingsError, SpecvizError
+from specviz.core.files import atomic_write, content_key
+from specviz.core.load import cache_dir
 from specviz.core.metrics import decode_steps
 from specviz.core.protocol import DraftRequest
-from specviz.core.target import TargetModel
+from specviz.core.target import TargetModel, VerifyPadding
 from specviz.core.timing import now
 from specviz.core.verify import Sampling
 
-from .bench import machine_description
+from .machine import machine_key
+from .methods import is_baseline, parse_method
 from .profile import profile
+from .results import MethodBudget
 
 # Held-out chat prompts (never trained on, not the benchmarks'): τ varies so much from prompt to prompt
-# (a standard deviation of 18-26 % of τ over an answer's first 32 tokens) that 8 short warm-ups estimate
-# it better than 2 long ones for the same tokens generated.
+# that 8 short warm-ups estimate it better than 2 long ones for the same tokens generated.
 WARMUP_FILE = Path(__file__).resolve().parents[2] / "assets" / "data" / "warmup_prompts.json"
-WARMUP_PROMPTS = tuple(p["prompt"] for p in json.loads(WARMUP_FILE.read_text())["prompts"])
 WARMUP_TOKENS = 16
 ESTIMATOR = 3  # how a budget's costs are estimated: a cached budget from another version is measured again
 PRESETS = ("tuned", "paper", "fixed")  # the machine's budget, the paper's setting, the dataclass values
@@ -72,12 +73,10 @@ class Tuned:
                 f"{self.expected_speedup:.2f}x AR{verdict}")
 
 
-def machine_key(target: TargetModel) -> str:
-    on_cpu = target.device.type == "cpu"
-    cpu = [cpuinfo("model name"), sorted(cpu_flags() & {"amx_bf16", "avx512_bf16", "avx2"})] if on_cpu else []
-    facts = [machine_description(), *cpu, target.name, str(target.dtype), str(target.device), target.num_parameters,
-             target.kernels]
-    return hashlib.sha1(json.dumps(facts, default=str).encode()).hexdigest()[:12]
+@cache
+def warmup_prompts() -> tuple[str, ...]:
+    """The held-out warm-up prompts, read on first use (importing the tuner reads no file)."""
+    return tuple(p["prompt"] for p in json.loads(WARMUP_FILE.read_text())["prompts"])
 
 
 def _cached(name: str, make, refresh: bool = False):
@@ -88,45 +87,44 @@ def _cached(name: str, make, refresh: bool = False):
         except json.JSONDecodeError:
             pass  # a torn write: measure again
     value = make()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(value))
     return value, False
 
 
 def _prompts(target: TargetModel) -> list[list[int]]:
     """The warm-up prompts as ids: those that leave room for the answer and a large tree in the context."""
-    fits = [] if target.tokenizer is None else [ids for ids in map(target.encode_chat, WARMUP_PROMPTS)
+    fits = [] if target.text.tokenizer is None else [ids for ids in map(target.text.encode_chat, warmup_prompts())
                                                 if len(ids) + WARMUP_TOKENS + 80 <= target.max_length]
     if fits:
         return fits
     gen = torch.Generator().manual_seed(0)  # a bare model or a tiny context: fixed pseudo-random ids
-    return [torch.randint(0, target.vocab_size, (24,), generator=gen).tolist() for _ in WARMUP_PROMPTS]
+    return [torch.randint(0, target.vocab_size, (24,), generator=gen).tolist() for _ in warmup_prompts()]
 
 
-def _draft_a_little(target: TargetModel, drafter) -> list[int]:
-    """The first warm-up prompt and 4 tokens drafted after it, untimed: a GPU charges one-time set-up to a
-    process's first drafts (the first trained drafter tuned on an H100 and an H200 came out 10x dearer
-    per draft than the same network tuned next)."""
-    ids = _prompts(target)[0]
-    return ids + output_ids(list(generate(target, drafter, ids, 4)))
+def _draft_a_little(target: TargetModel, drafter, padding: VerifyPadding | None = None) -> tuple[list[int], object]:
+    """The first warm-up prompt and 4 tokens drafted after it, untimed, and the drafter's state after them: a GPU
+    charges one-time set-up to a process's first drafts (the first trained drafter tuned on a GPU came out far
+    dearer per draft than the same network tuned next)."""
+    ids, state = _prompts(target)[0], drafter.start()
+    return ids + output_ids(list(generate(target, drafter, ids, 4, state=state, padding=padding))), state
 
 
-def _warm_up(target: TargetModel, drafter, prompts: int | None = None) -> list[StepRecord]:
+def _warm_up(target: TargetModel, drafter, prompts: int | None = None,
+             padding: VerifyPadding | None = None) -> list[StepRecord]:
     """The step records of ``drafter`` on the warm-up prompts (the first ``prompts`` of them)."""
-    _draft_a_little(target, drafter)
+    _draft_a_little(target, drafter, padding)
     return [r for ids in _prompts(target)[:prompts]
-            for r in run(target, drafter, ids, WARMUP_TOKENS, hover=False).records]
+            for r in run(target, drafter, ids, WARMUP_TOKENS, padding=padding).records]
 
 
-def _propose_ms(target: TargetModel, drafter, repeats: int = 5) -> float:
+def _propose_ms(target: TargetModel, drafter, repeats: int = 5, padding: VerifyPadding | None = None) -> float:
     """Median ms of one draft, alone, after a few tokens of the first warm-up prompt."""
-    request = DraftRequest(_draft_a_little(target, drafter), 1 << 20, Sampling())
+    ids, state = _draft_a_little(target, drafter, padding)
+    request = DraftRequest(ids, 1 << 20, Sampling())
     times = []
     for _ in range(repeats):
         start = now(target.device)
-        drafter.propose(request)
+        drafter.propose(state, request)
         times.append(1000 * (now(target.device) - start))
     return statistics.median(times)
 
@@ -158,11 +156,12 @@ class MachineCosts:
     chain: VerifyCurve  # ms to verify n tokens as a chain (plain causal attention)
     tree: VerifyCurve  # ... as a tree (a 4D mask: another attention path, slower on some CPUs)
     ar_other_ms: float  # AR's own per-step overhead besides the verify
+    padding: VerifyPadding = VerifyPadding()  # the sizes worth verifying as a larger one here: pass it to decodes
 
 
 def machine_costs(target: TargetModel, refresh: bool = False) -> MachineCosts:
-    """The verify-cost curves and AR's per-step overhead, measured once per machine and target. Sets
-    ``target.padding``: the sizes its verifies pad, because a larger size is clearly cheaper here."""
+    """The verify-cost curves, AR's per-step overhead and the verify padding (the sizes a larger size is clearly
+    cheaper than), measured once per machine and target. Decodes pad only when given ``padding``."""
     def measure() -> dict:
         sizes, context = (*range(1, 17), 24, 32, 48, 64), min(256, target.max_length - 80)
         curves = {shape: profile(target, context, sizes, repeats=5, tree=shape == "tree")["curve"]
@@ -172,16 +171,16 @@ def machine_costs(target: TargetModel, refresh: bool = False) -> MachineCosts:
                 "ar_other_ms": _per_step(ar, "draft", "accept", "other")}
 
     value, _ = _cached(f"costs-{machine_key(target)}", measure, refresh)
-    target.padding = {shape: padding(*zip(*value[shape])) for shape in ("chain", "tree")}
-    chain, tree = (padded_curve(*zip(*value[shape]), target.padding[shape]) for shape in ("chain", "tree"))
-    return MachineCosts(chain, tree, value["ar_other_ms"])
+    pad = VerifyPadding(*(padding(*zip(*value[shape])) for shape in ("chain", "tree")))
+    chain, tree = (padded_curve(*zip(*value[shape]), pad.as_dict()[shape]) for shape in ("chain", "tree"))
+    return MachineCosts(chain, tree, value["ar_other_ms"], pad)
 
 
 def _checkpoint_id(name: str, settings: dict) -> str:
     if not issubclass(METHODS[name][0], TrainedDrafter):
         return ""
     weights = weights_file(Path(settings.get("checkpoint") or default_path(name)))  # not the card: bench edits it
-    return hashlib.sha1(weights.read_bytes()).hexdigest()[:12] if weights is not None else "none"
+    return content_key(weights.read_bytes()) if weights is not None else "none"
 
 
 def tune(target: TargetModel, name: str, given: dict | None = None, refresh: bool = False) -> Tuned:
@@ -191,22 +190,23 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
     if not grids:
         return Tuned(name, {}, 1.0, 1.0, 0.0)
     costs = machine_costs(target)  # measured once per machine: `refresh` re-measures the method, not the curve
-    warm_up = [WARMUP_TOKENS, hashlib.sha1("".join(WARMUP_PROMPTS).encode()).hexdigest()[:8], ESTIMATOR]
-    key = json.dumps([machine_key(target), name, sorted(given.items()), _checkpoint_id(name, given), warm_up],
-                     default=str)
+    warm_up = [WARMUP_TOKENS, content_key("".join(warmup_prompts()).encode(), 8), ESTIMATOR]
+    key = [machine_key(target), name, sorted(given.items()), _checkpoint_id(name, given), warm_up]
 
     def measure() -> dict:
         start, options = time.perf_counter(), []
         for grid in grids:
             if not grid.nested:  # each budget warmed up on its own: its τ, nodes and draft time as measured
                 for settings, _, _ in grid.candidates():
-                    records = _warm_up(target, build_drafter(name, target, **given, **settings))
+                    records = _warm_up(target, build_drafter(name, target, **given, **settings), padding=costs.padding)
                     options.append(Option(settings, estimate(records, 1 << 30, 1 << 30), _per_step(records, "draft"),
                                           _per_step(records, "accept", "other")))
                 continue
             low, high = min(grid.depths), max(grid.depths)
-            records = _warm_up(target, build_drafter(name, target, **given, **grid.settings(high)))
-            ends = [_propose_ms(target, build_drafter(name, target, **given, **grid.settings(d))) for d in (low, high)]
+            drafter = build_drafter(name, target, **given, **grid.settings(high))
+            records = _warm_up(target, drafter, padding=costs.padding)
+            ends = [_propose_ms(target, build_drafter(name, target, **given, **grid.settings(d)), padding=costs.padding)
+                    for d in (low, high)]
             def propose(depth: float) -> float:  # a draft costs about one pass per depth: linear
                 return ends[0] + (ends[1] - ends[0]) * (depth - low) / max(high - low, 1)
 
@@ -218,7 +218,7 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
         best: Budget = choose(options, costs.chain, costs.ar_other_ms, costs.tree)
         return {**asdict(best), "seconds": time.perf_counter() - start}
 
-    value, cached = _cached(f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}", measure, refresh)
+    value, cached = _cached(f"{name}-{content_key(key)}", measure, refresh)
     return Tuned(name, value["settings"], value["tokens_per_step"], value["expected_speedup"],
                  0.0 if cached else value["seconds"], value.get("phase_ms"))  # older caches lack the phases
 
@@ -238,3 +238,37 @@ def resolve(target: TargetModel, name: str, settings: dict) -> tuple[dict, Tuned
         return settings, None
     tuned = tune(target, name, settings)
     return {**tuned.settings, **settings}, tuned
+
+
+def resolved_budgets(target: TargetModel, methods: list[str]) -> dict[str, MethodBudget]:
+    """What each engine method's budget will be (its settings, and the tuner's expectations when tuned; read
+    from the cache when tuned before). A run log keeps them, so a resumed run runs every method as its first
+    prompts did even when the cache was lost and a new tuning would choose otherwise."""
+    budgets = {}
+    for label, (name, settings) in ((m.strip(), parse_method(m)) for m in methods):
+        if is_baseline(name):
+            continue
+        settings, tuned = resolve(target, name, settings)
+        budgets[label] = MethodBudget(settings) if tuned is None else MethodBudget(
+            settings, True, tuned.expected_tau, tuned.expected_speedup, tuned.expected_ms_per_token())
+    return budgets
+
+
+def tune_and_report(target: TargetModel, names: list[str], refresh: bool = False) -> None:
+    """``python -m specviz tune``: the machine's verify-cost curves, then each method's budget, printed."""
+    costs = machine_costs(target, refresh)
+    for shape, curve in (("chain", costs.chain), ("tree", costs.tree)):
+        print(f"verify cost of a {shape}, fitted non-decreasing ({str(target.dtype).replace('torch.', '')}, "
+              f"{target.device}): " + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in zip(curve.tokens, curve.ms)))
+    print(f"AR's own per-step overhead {costs.ar_other_ms:.1f} ms")
+    for shape, pad in costs.padding.as_dict().items():
+        print(f"{shape}s padded to a size this machine verifies faster: "
+              + (", ".join(f"{n} -> {m}" for n, m in pad.items()) or "none"))
+    for name in names:
+        try:
+            tuned = tune(target, name, refresh=refresh)
+        except SpecvizError as e:
+            print(f"{name}: not tuned ({e})")
+            continue
+        took = f"  [tuned in {tuned.seconds:.1f} s]" if tuned.seconds else "" if not tuned.settings else "  [cached]"
+        print(tuned.describe() + took)

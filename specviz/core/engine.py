@@ -1,9 +1,16 @@
-"""The decoding loop: draft -> verify -> accept -> commit, one StepRecord per target forward."""
+"""The decoding loop: draft -> verify -> accept -> commit, one StepRecord per target forward.
+
+Step 0 is the prefill: the same loop with no draft, the whole prompt as what gets committed. A record
+holds what the decode did; what only a display needs (the target's probability of every node, the
+margin of every emitted token) is filled by observers that the caller attaches (``hover``,
+``margins``: the app attaches both, benches neither, except margins on AR's runs, which classify
+divergences as near-ties). Observers run after a step's timers stop: a step's timings are decoding work.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -11,28 +18,69 @@ from transformers import DynamicCache
 
 from .errors import SettingsError
 from .protocol import Commit, Drafter, DraftRequest
-from .target import TargetModel
+from .target import TargetModel, VerifyPadding
 from .timing import PhaseTimer, Timings
 from .tree import DraftTree
 from .verify import Sampling, accept, probabilities
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepRecord:
     step: int  # 0 = prefill (no draft)
     tree: DraftTree
     path: list[int]  # accepted verify-input indices (root excluded), in depth order
     tokens: list[int]  # tokens emitted this step: accepted drafts then the bonus, cut at EOS/limit
     bonus: int
-    node_target_p: torch.Tensor  # [N] target prob of each draft token given its parent
-    bonus_target_p: float
     timings: Timings = field(default_factory=Timings)
     finished: str | None = None  # "eos" | "length" on the last step
+    # display extras, empty unless an observer filled them
     margins: list[float] = field(default_factory=list)  # per emitted token: the target's top-1 minus top-2 logit
+    node_target_p: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [N] target p of each node
+    bonus_target_p: float | None = None  # target p of the bonus token
 
     @property
     def accepted(self) -> int:
         return len(self.path)
+
+
+@dataclass
+class Verified:
+    """One step as an observer sees it: its record, the target's logits over the verify input and what was
+    kept (``keep[i]``, root first, is the row that chose emitted token i)."""
+
+    record: StepRecord
+    logits: torch.Tensor  # [N+1, V]
+    keep: list[int]
+    sampling: Sampling
+
+
+Observer = Callable[[Verified], None]
+
+
+def hover(seen: Verified) -> None:
+    """The target's probability of each draft token given its parent and of the bonus token, as hovers
+    show it: the sampling distribution, or the softmax at T=1 when greedy."""
+    r, logits = seen.record, seen.logits
+    rows = torch.cat([r.tree.parents, torch.tensor([seen.keep[-1]])])
+    cols = torch.cat([r.tree.tokens, torch.tensor([r.bonus])])
+    probs = torch.softmax(logits.float(), dim=-1) if seen.sampling.greedy else probabilities(logits, seen.sampling)
+    shown = probs[rows.to(logits.device), cols.to(logits.device)].cpu()
+    r.node_target_p, r.bonus_target_p = shown[:-1], float(shown[-1])
+
+
+def margins(seen: Verified) -> None:
+    """Each emitted token's margin: the target's top-1 minus top-2 logit where it chose it (how close that
+    choice came to a tie)."""
+    rows = seen.logits[seen.keep]
+    if rows.shape[-1] < 2:
+        gaps = [float("inf")] * len(seen.keep)
+    else:
+        top = rows.topk(2, dim=-1).values
+        gaps = (top[:, 0] - top[:, 1]).float().cpu().tolist()
+    seen.record.margins = gaps[: len(seen.record.tokens)]
+
+
+DISPLAY: tuple[Observer, ...] = (hover, margins)  # what the app shows
 
 
 def output_ids(records: list[StepRecord]) -> list[int]:
@@ -55,22 +103,6 @@ def check_request(target: TargetModel, prompt_ids: list[int], max_new_tokens: in
         )
 
 
-def shown_p(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """The target's probability of token ``cols[i]`` at verify row ``rows[i]``, as hovers show it: the
-    sampling distribution, or the softmax at T=1 when greedy."""
-    probs = torch.softmax(logits.float(), dim=-1) if s.greedy else probabilities(logits, s)
-    return probs[rows.to(logits.device), cols.to(logits.device)].cpu()
-
-
-def top_two(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass over the verify logits [N+1, V]: the target's top token at every row, and its margin (top-1
-    minus top-2 logit: how close its choice came to a tie), both on the CPU."""
-    if logits.shape[-1] < 2:
-        return logits.argmax(-1).cpu(), torch.full((logits.shape[0],), float("inf"))
-    values, indices = logits.topk(2, dim=-1)
-    return indices[:, 0].cpu(), (values[:, 0] - values[:, 1]).float().cpu()
-
-
 def generate(
     target: TargetModel,
     drafter: Drafter,
@@ -79,69 +111,73 @@ def generate(
     sampling: Sampling | None = None,
     stop_on_eos: bool = True,
     cache: DynamicCache | None = None,
-    hover: bool = True,
+    observers: Sequence[Observer] = (),
+    padding: VerifyPadding | None = None,
+    state: object = None,
 ) -> Iterator[StepRecord]:
     """Yield one StepRecord for the prefill and one per verify step until EOS or the token limit.
 
-    The run's KV cache is ``cache`` (emptied first) or a new one; nothing else touches it. ``hover``:
-    fill in the target probabilities the app shows (a softmax over every verified row; benches skip it)."""
+    The run's KV cache is ``cache`` (emptied first) or a new one, and the drafter's state ``state`` (fresh
+    from ``drafter.start()``, for a caller that drafts on from where the run ended) or a new one: nothing
+    else touches either, so decodes may interleave. ``observers`` fill a record's display extras before it
+    is yielded; ``padding``: the verify sizes this machine pads."""
     sampling = sampling or Sampling()
     check_request(target, prompt_ids, max_new_tokens)
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    eos = target.eos_token_ids if stop_on_eos else set()
+    eos = target.text.eos_token_ids if stop_on_eos else frozenset()
     cache = target.new_cache() if cache is None else cache
-
-    def finish(new: list[int], produced: int) -> tuple[list[int], str | None]:
-        for i, tok in enumerate(new):
-            if tok in eos:
-                return new[: i + 1], "eos"
-        if produced + len(new) >= max_new_tokens:
-            return new[: max_new_tokens - produced], "length"
-        return new, None
-
     device = target.device
-    timer = PhaseTimer(device)
-    with timer("draft"):
-        drafter.reset()
-    with timer("verify"):
-        logits, feats = target.prefill(prompt_ids, cache)
-    with timer("accept"):
-        first = accept(DraftTree.empty(), logits[None], sampling, gen).bonus
-    with timer("draft"):
-        drafter.observe(Commit(torch.as_tensor(prompt_ids), feats, first))
-    tokens, finished = finish([first], 0)
-    p_first = float(shown_p(logits[None], torch.zeros(1, dtype=torch.long), torch.tensor([first]), sampling)[0])
-    yield StepRecord(0, DraftTree.empty(), [], tokens, first, torch.zeros(0), p_first, timer.timings, finished,
-                     top_two(logits[None])[1].tolist())
-    sequence, produced, step = list(prompt_ids) + tokens, len(tokens), 0
+    sequence, produced, step, finished = list(prompt_ids), 0, 0, None
     while finished is None:
-        step += 1
         timer = PhaseTimer(device)
-        with timer("draft"):
-            request = DraftRequest(sequence, max_new_tokens - produced - 1, sampling, gen)
-            tree = drafter.propose(request) if request.max_depth > 0 else DraftTree.empty()
-        with timer("verify"):
-            past = cache.get_seq_length()
-            logits, feats = target.verify(sequence[-1], tree, cache)
+        if step == 0:  # the prefill: no draft; the whole prompt is what gets committed
+            tree = DraftTree.empty()
+            with timer("draft"):
+                state = drafter.start() if state is None else state
+            with timer("verify"):
+                logits, feats = target.prefill(prompt_ids, cache)
+                logits = logits[None]
+        else:
+            with timer("draft"):
+                request = DraftRequest(sequence, max_new_tokens - produced - 1, sampling, gen)
+                tree = drafter.propose(state, request) if request.max_depth > 0 else DraftTree.empty()
+            with timer("verify"):
+                past = cache.get_seq_length()
+                logits, feats = target.verify(sequence[-1], tree, cache, padding)
         with timer("accept"):
             result = accept(tree, logits, sampling, gen)
             keep = [0] + result.path
-            target.commit(cache, past, keep)
+            if step == 0:
+                commit = Commit(torch.as_tensor(prompt_ids), feats, result.bonus)
+            else:
+                target.commit(cache, past, keep)
+                commit = Commit(tree.input_ids(sequence[-1])[keep], feats[keep], result.bonus,
+                                logits.argmax(-1).cpu())  # the target's top token per row, for drafters
         with timer("draft"):
-            committed = tree.input_ids(sequence[-1])[keep]
-            top, gap = top_two(logits)
-            drafter.observe(Commit(committed, feats[keep], result.bonus, top))
+            drafter.observe(state, commit)
         with timer("other"):
-            last = result.path[-1] if result.path else 0
-            shown = shown_p(logits, torch.cat([tree.parents, torch.tensor([last])]),
-                            torch.cat([tree.tokens, torch.tensor([result.bonus])]), sampling) if hover \
-                else torch.full((len(tree) + 1,), float("nan"))
-            new, finished = finish(committed[1:].tolist() + [result.bonus], produced)
+            emitted = commit.tokens[1:].tolist() if step else []
+            new, finished = _finish(emitted + [result.bonus], produced, max_new_tokens, eos)
             sequence += new
             produced += len(new)
-            gaps = gap[keep].tolist()[: len(new)]  # row keep[i] chose emitted token i
-        yield StepRecord(step, tree, result.path, new, result.bonus, shown[:-1], float(shown[-1]), timer.timings,
-                         finished, gaps)
+        record = StepRecord(step=step, tree=tree, path=result.path, tokens=new, bonus=result.bonus,
+                            timings=timer.timings, finished=finished)
+        if observers:
+            seen = Verified(record, logits, keep, sampling)
+            for observe in observers:
+                observe(seen)
+        yield record
+        step += 1
+
+
+def _finish(new: list[int], produced: int, limit: int, eos) -> tuple[list[int], str | None]:
+    """``new`` cut after the first EOS or at the token limit, and why the run ends there (None: it goes on)."""
+    for i, tok in enumerate(new):
+        if tok in eos:
+            return new[: i + 1], "eos"
+    if produced + len(new) >= limit:
+        return new[: limit - produced], "length"
+    return new, None
 
 
 @dataclass
@@ -157,8 +193,10 @@ class RunResult:
 
 
 def run(target: TargetModel, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int = 128,
-        sampling: Sampling | None = None, stop_on_eos: bool = True, hover: bool = True) -> RunResult:
-    """Run a whole generation and collect its records."""
+        sampling: Sampling | None = None, stop_on_eos: bool = True, observers: Sequence[Observer] = (),
+        padding: VerifyPadding | None = None) -> RunResult:
+    """Run a whole generation and collect its records (``generate``'s arguments)."""
     start = time.perf_counter()
-    records = list(generate(target, drafter, prompt_ids, max_new_tokens, sampling, stop_on_eos, hover=hover))
+    records = list(generate(target, drafter, prompt_ids, max_new_tokens, sampling, stop_on_eos,
+                            observers=observers, padding=padding))
     return RunResult(drafter.name, list(prompt_ids), records, time.perf_counter() - start)

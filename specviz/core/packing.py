@@ -1,10 +1,9 @@
 """CPU linear layers on oneDNN with their weights packed once, for the small row counts decoding runs.
 
 PyTorch's default CPU ``linear`` goes to MKL, whose kernels for a handful of rows re-lay out the weight
-on every call: on a 2-core Zen 4 the embedded target's matrices took 46 ms for one row, 76 for two,
-94 for three and 56 for eight, so a tree verify cost 1.5-2 single forwards. Packed once into oneDNN's
+on every call, so a small tree verify costs well over one single forward. Packed once into oneDNN's
 blocked layout (``mkldnn._reorder_linear_weight``, what inductor's CPU freezing does) the same
-matrices take 23-29 ms for 1 to 8 rows and 34 for 16: a faster target and cheaper trees.
+matrices run faster at every small row count: a faster target and cheaper trees (docs/tuning.md).
 
 The packed copy sits beside the dense weight (the embedding it may be tied to, and drafters that
 read the head, keep using the dense one), so packing costs one more copy of the linear weights.
@@ -68,6 +67,11 @@ def pack_linears(model: torch.nn.Module) -> int:
             module.forward = types.MethodType(_packed_forward, module)
             count += 1
     return count
+
+
+def packed_count(model: torch.nn.Module) -> int:
+    """How many of ``model``'s linear layers run on packed weights (``pack_linears``)."""
+    return sum(1 for m in model.modules() if hasattr(m, _ATTR))
 
 
 @contextlib.contextmanager

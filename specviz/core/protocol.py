@@ -1,7 +1,14 @@
 """The drafter protocol: every method proposes a DraftTree and learns what the target kept.
 
-The engine calls ``reset()`` once per run, ``observe(Commit)`` after the prefill and after every
-step, and ``propose(DraftRequest)`` before every verify. Settings are small dataclasses with ranges.
+A drafter object holds what every decode shares (its network, its settings); what one decode learns
+lives in a state the drafter makes for it, as the target's KV cache does (``target.new_cache()``):
+
+    state = drafter.start()               once per decode (a drafter with nothing to remember: None)
+    drafter.observe(state, Commit)        after the prefill and after every step
+    drafter.propose(state, DraftRequest)  before every verify
+
+so one drafter object serves any number of decodes, interleaved step by step. A drafter keeps nothing
+of one decode on itself. Settings are small dataclasses with ranges.
 """
 
 from __future__ import annotations
@@ -35,19 +42,21 @@ class DraftRequest:
 
 
 class Drafter:
-    """Base class. Subclasses set ``name`` and implement ``propose``; ``observe`` is optional."""
+    """Base class. Subclasses set ``name`` and implement ``propose``; ``start`` and ``observe`` are optional
+    (a drafter that reads only the request, such as prompt lookup, needs neither)."""
 
     name = "base"
     title = ""  # one line for listings and the UI
     trained = False  # ships a checkpoint
 
-    def reset(self) -> None:
-        """Forget the previous sequence."""
+    def start(self) -> object:
+        """A fresh state for one decode: what ``observe`` learns and ``propose`` reads (caches, queues)."""
+        return None
 
-    def observe(self, commit: Commit) -> None:
-        """Learn what the target committed (tokens and features) and its pending token."""
+    def observe(self, state, commit: Commit) -> None:
+        """Learn, into ``state``, what the target committed (tokens and features) and its pending token."""
 
-    def propose(self, request: DraftRequest) -> DraftTree:
+    def propose(self, state, request: DraftRequest) -> DraftTree:
         raise NotImplementedError
 
     def num_parameters(self) -> int:

@@ -4,23 +4,30 @@ Only transformers' public API is used: a custom 4D additive mask, explicit ``pos
 ``DynamicCache`` whose layers are trimmed to the accepted path after each verify. The cache belongs
 to the decode loop that uses it (``new_cache()``), so several decodes can share one target.
 
+The target only decodes. It runs the model as given (in eval mode) and changes nothing else on it:
+running the head in fp32 and packing the linear layers is ``core.load.prepare``'s, done where the
+model is built; text (chat template, EOS ids) is ``core.text.ChatText``'s, held here as ``text``; the
+verify padding a machine prefers is measured by the caller and passed to ``verify``.
+
 **Features** are the target's final-norm output at each position: the hidden state its LM head
 reads, EAGLE's "feature". The engine hands drafters exactly this (``Commit.features``) and the
-training pipeline stores exactly this; no drafter applies the norm again. A drafter that reads
-more layers (EAGLE-3) asks for them with ``tap``: their inputs then follow the final-norm output in
-the same tensor, ``[T, H * (1 + len(taps))]``.
+training pipeline stores exactly this; no drafter applies the norm again. They are captured by a hook
+that lives for one forward only. A drafter that reads more layers (EAGLE-3) asks for them with
+``tap``: their inputs then follow the final-norm output in the same tensor, ``[T, H * (1 + len(taps))]``.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from .errors import SpecvizError
-from .packing import pack_linears
+from .packing import packed_count
+from .text import ChatText
 from .tree import DraftTree
 
 
@@ -48,49 +55,37 @@ def final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
-def fp32_head(model: torch.nn.Module) -> bool:
-    """Run the final norm and the LM head of a bf16/fp16 model in fp32 (the body keeps its dtype).
+@dataclass(frozen=True)
+class VerifyPadding:
+    """Verify n inputs as m > n where this machine's kernels do m rows faster, per shape (a chain keeps plain
+    causal attention, a tree takes the 4D-mask path). Measured by the caller (``apps.tuning.machine_costs``,
+    ``core.budget.padding``); empty pads nothing."""
 
-    Logits straight out of a bf16 head move in steps of 0.125 at magnitudes 16-32, so exact ties are
-    common and a tree verify and a one-token forward break them differently. In fp32 the logits rarely
-    tie; what is left are true near-ties of the bf16 body. The head gets its own fp32 copy of a tied
-    embedding. Returns False where the model has no recognisable final norm or head."""
-    norm, head = final_norm(model), model.get_output_embeddings()
-    if norm is None or head is None or not isinstance(head, torch.nn.Linear):
-        return False
-    norm.float()
-    norm.register_forward_pre_hook(lambda _m, args: (args[0].float(), *args[1:]))
-    head.weight = torch.nn.Parameter(head.weight.detach().float().clone(), requires_grad=False)
-    if head.bias is not None:
-        head.bias = torch.nn.Parameter(head.bias.detach().float().clone(), requires_grad=False)
-    model.config.tie_word_embeddings = False
-    return True
+    chain: dict[int, int] = field(default_factory=dict)
+    tree: dict[int, int] = field(default_factory=dict)
+
+    def size(self, n: int, chain: bool) -> int:
+        return (self.chain if chain else self.tree).get(n, n)
+
+    def as_dict(self) -> dict[str, dict[int, int]]:
+        return {"chain": dict(self.chain), "tree": dict(self.tree)}
 
 
 class TargetModel:
     """Wraps a causal LM for one sequence at a time (batch size 1); each decode brings its own cache.
 
-    A bf16/fp16 model runs its final norm and LM head in fp32 (``fp32_head``). With ``pack``, a CPU model's
-    linear layers run on packed oneDNN weights (``core.packing``)."""
+    ``model`` runs as it is: prepare it first (``core.load.prepare``) for an fp32 head or packed kernels.
+    ``tokenizer`` builds ``text``, the chat/EOS helper (``core.text.ChatText``)."""
 
-    def __init__(self, model, tokenizer=None, name: str = "target", pack: bool = False):
+    def __init__(self, model, tokenizer=None, name: str = "target"):
         self.model = model.eval()
-        self.tokenizer = tokenizer
+        self.text = ChatText.for_model(model, tokenizer)
         self.name = name
         self.config = model.config
-        self._features: torch.Tensor | None = None
         self.taps: tuple[int, ...] = ()  # decoder layers whose inputs follow the features
-        # Verify n inputs as m > n where this machine's kernels do m rows faster ({"chain": {n: m}, "tree": ...}):
-        # set from the measured verify-cost curves (``apps.tuning.machine_costs``, ``core.budget.padding``).
-        self.padding: dict[str, dict[int, int]] = {}
-        self.body_dtype = next(model.parameters()).dtype
-        if self.body_dtype != torch.float32:
-            fp32_head(model)
-        self.packed_linears = pack_linears(model) if pack else 0  # after fp32_head: it replaces the head's weight
-        norm = final_norm(model)
-        self._hooked = norm is not None
-        if norm is not None:
-            norm.register_forward_hook(self._capture_features)
+        self.body_dtype = model.get_input_embeddings().weight.dtype  # the head may be fp32 (``prepare``)
+        self.packed_linears = packed_count(model)
+        self._norm = final_norm(model)
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -132,58 +127,31 @@ class TargetModel:
         self.taps += tuple(i for i in dict.fromkeys(layers) if i not in self.taps)
         return [1 + self.taps.index(i) for i in layers]
 
-    # -- text -------------------------------------------------------------------------------
-    def encode_chat(self, prompt: str) -> list[int]:
-        """Token ids of a single user turn, through the chat template when the tokenizer has one."""
-        if self.tokenizer is None:
-            raise TargetError("this target has no tokenizer; pass token ids instead of text")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8 (a shell argument, a raw API body)
-            raise TargetError("the prompt is not valid UTF-8 text") from None
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return self.tokenizer.encode(prompt)
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else " ".join(map(str, ids))
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        config = self.config
-        declared = (getattr(self.model.generation_config, "eos_token_id", None), getattr(config, "eos_token_id", None))
-        ids = next((i for i in declared if i is not None), None)  # an id of 0 is a real id
-        if ids is None and self.tokenizer is not None:
-            ids = self.tokenizer.eos_token_id
-        if ids is None:
-            return set()
-        return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
-
     # -- forward passes ---------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
         """An empty KV cache for one decode."""
         return DynamicCache(config=self.config)
 
-    def _capture_features(self, _module, _args, output) -> None:
-        self._features = output
-
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache,
                  keep: int = 0):
-        self._features = None
-        out = self.model(
-            input_ids=ids.to(self.device)[None],
-            position_ids=positions.to(self.device),
-            attention_mask=None if mask is None else mask.to(self.device),
-            **cache_kwarg(self.model, cache),
-            use_cache=True,
-            logits_to_keep=keep,
-            output_hidden_states=bool(self.taps) or not self._hooked,
-        )
-        feats = self._features if self._hooked else out.hidden_states[-1]  # transformers' last entry is normed
+        captured: list[torch.Tensor] = []
+        hook = None if self._norm is None else self._norm.register_forward_hook(
+            lambda _m, _args, output: captured.append(output))
+        try:
+            out = self.model(
+                input_ids=ids.to(self.device)[None],
+                position_ids=positions.to(self.device),
+                attention_mask=None if mask is None else mask.to(self.device),
+                **cache_kwarg(self.model, cache),
+                use_cache=True,
+                logits_to_keep=keep,
+                output_hidden_states=bool(self.taps) or hook is None,
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
+        feats = captured[-1] if hook is not None else out.hidden_states[-1]  # transformers' last entry is normed
         if self.taps:  # hidden_states[i] is the input of layer i (entry 0: the embeddings)
             feats = torch.cat([feats] + [out.hidden_states[i].to(feats.dtype) for i in self.taps], dim=-1)
         return out.logits[0], feats[0]
@@ -201,17 +169,17 @@ class TargetModel:
         return logits[-1], feats
 
     def verify(self, root: int, tree: DraftTree, cache: DynamicCache,
-               pad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+               padding: VerifyPadding | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over root + tree after ``cache``. Returns logits [N+1, V] and features [N+1, H].
 
-        With ``pad``, a size in ``self.padding`` is verified with filler nodes that no real node sees
+        A size that ``padding`` maps to a larger one is verified with filler nodes that no real node sees
         (they follow it); their outputs are dropped here and their cache entries by ``commit``."""
         past, n = cache.get_seq_length(), len(tree) + 1
         if past + tree.max_depth + 1 > self.max_length:
             raise TargetError(
                 f"verifying {tree.max_depth + 1} positions after {past} exceeds the context of {self.max_length}")
         chain = tree.is_chain  # padding keeps a chain a chain and a tree a tree
-        size = self.padding.get("chain" if chain else "tree", {}).get(n, n) if pad else n
+        size = padding.size(n, chain) if padding is not None else n
         if size > n and past + tree.max_depth + 1 + (size - n) * chain <= self.max_length:
             tree = tree.padded(size - n)
         mask = None if chain else tree.attention_mask(past, self.dtype)  # a chain is plain causal

@@ -50,13 +50,14 @@ class Handlers:
         """The Race tab: stream every selected method's column while the race runs at full speed."""
         plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p,
                          slider_settings(self.specs, setting_values), rule)
-        view = views.RaceView(plan, self.state.target.decode, bool(show_rejected),
+        view = views.RaceView(plan, self.state.target.text.decode, bool(show_rejected),
                               str(self.state.target.dtype).replace("torch.", ""))
         session, stop = _session(request), threading.Event()
         self.state.stops[session] = stop
         try:
             yield view.start()
-            lanes = race(self.state.target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling)
+            lanes = race(self.state.target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling,
+                         self.state.padding)
             for batch in in_batches(lanes, self.state.engine, stop, SHOW_EVERY_S):
                 yield view.advance(batch)
             yield view.finish()
@@ -79,7 +80,7 @@ class Handlers:
         engine time; the methods stop there and say so."""
         plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p, settings, rule)
         target = self.state.target
-        steps = race(target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling)
+        steps = race(target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling, self.state.padding)
 
         def run_all() -> dict:  # the whole race in one engine call, within the budget
             lanes, deadline = {}, time.perf_counter() + COMPARE_BUDGET_S
@@ -93,13 +94,13 @@ class Handlers:
         lanes = self.state.on_engine(run_all)
         result = {"notes": plan.notes, "methods": {}}
         for label, lane in lanes.items():
-            tokens = [{"token": t, "text": target.decode([t]), "step": r.step,
+            tokens = [{"token": t, "text": target.text.decode([t]), "step": r.step,
                        "origin": "accepted draft" if i < r.accepted else "target"}
                       for r in lane.records for i, t in enumerate(r.tokens)]
             same = None
             if "ar" in lanes and plan.sampling.greedy:
                 same = identical(lane.output_ids, lanes["ar"].output_ids)
-            result["methods"][label] = {"text": target.decode(lane.output_ids), "tokens": tokens,
+            result["methods"][label] = {"text": target.text.decode(lane.output_ids), "tokens": tokens,
                                         "error": lane.error, "identical_to_ar": same,
                                         "metrics": summarize(lane.records, lane.clock).as_dict()}
         return result
@@ -114,14 +115,14 @@ class Handlers:
             steps = state.on_engine_thread(bench_steps(state.target, picked, questions, max_new_tokens=max_new_tokens))
             folder, deadline = tempfile.mkdtemp(), time.perf_counter() + BENCH_BUDGET_S
             for result in steps:
-                if time.perf_counter() > deadline and result["interrupted"]:
+                if time.perf_counter() > deadline and result.interrupted:
                     notes.append(f"stopped at this page's budget of {BENCH_BUDGET_S / 60:.0f} min; "
                                  "`python -m specviz bench` runs any number of questions")
                     steps.close()
                 table = views.benchmark_table(result)
-                path = os.path.join(folder, f"specviz-{question_set}-{len(result['per_prompt'])}q.csv")
+                path = os.path.join(folder, f"specviz-{question_set}-{len(result.per_prompt)}q.csv")
                 table.to_csv(path, index=False)
-                done = f"{len(result['per_prompt'])} of {len(questions)} questions on {result['machine']}"
+                done = f"{len(result.per_prompt)} of {len(questions)} questions on {result.machine}"
                 yield table, path, "\n".join([done, *notes])
         except SpecvizError as e:
             raise gr.Error(str(e)) from None
@@ -175,4 +176,4 @@ class Handlers:
         return values
 
     def step_view(self, runs: dict, method: str, step: int):
-        return views.step_view(runs, method, step, self.state.target.decode)
+        return views.step_view(runs, method, step, self.state.target.text.decode)

@@ -162,7 +162,7 @@ def build_demo(state: AppState) -> gr.Blocks:
 
 def calm_queue(queue) -> None:
     """Gradio's queue loop polls every 1 ms on Linux (and its progress loop every 10 ms), even when idle;
-    on 2 cores that took about 12 % of the engine's speed. 20 ms and 100 ms cost nothing visible.
+    on 2 cores that took a visible share of the engine's speed, while 20 ms and 100 ms cost nothing visible.
     These are attributes of Gradio's queue object, not public settings: left alone where they are missing."""
     if hasattr(queue, "sleep_when_free"):
         queue.sleep_when_free = max(queue.sleep_when_free, 0.02)

@@ -69,7 +69,7 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
         notes.append(f"temperature {temperature:g} is below {MIN_TEMPERATURE}: used 0 (greedy)")
         temperature = 0.0
     top_p = clamp("top-p", top_p, 0.05, 1.0, 1.0, notes, float)
-    ids = state.target.encode_chat(prompt)
+    ids = state.target.text.encode_chat(prompt)
     room = state.target.max_length - len(ids)
     if room < 1:
         raise SettingsError(f"The prompt has {len(ids)} tokens; the target's context is {state.target.max_length}.")

@@ -1,8 +1,8 @@
 """The web app's state, built once in a function: the target, the drafters, why others are unavailable,
 and the one engine thread every torch call runs on.
 
-Torch on CPU ran at half speed when Gradio's worker threads took turns (each thread its own OpenMP
-team: 12 vs 25 tokens/s on the embedded model), so the engine is a single-thread executor.
+Torch on CPU ran at about half speed when Gradio's worker threads took turns (each thread its own
+OpenMP team), so the engine is a single-thread executor.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from drafters import METHODS, build_drafter
 from specviz.core.errors import SpecvizError
 from specviz.core.load import load_target
 from specviz.core.protocol import Drafter
-from specviz.core.target import TargetModel
+from specviz.core.target import TargetModel, VerifyPadding
 
 from ..tuning import Tuned, machine_costs, tune
 
-MAX_BUILT = 32  # drafters kept at non-default settings
+MAX_BUILT = 32  # drafters kept at non-default settings (each setting is another network or tree: memory)
 
 
 def log(line: str) -> None:
@@ -40,6 +40,7 @@ class AppState:
     stops: dict[str, threading.Event] = field(default_factory=dict)  # each session's running race
     built: dict[tuple, Drafter] = field(default_factory=dict)
     tuned: dict[str, Tuned] = field(default_factory=dict)  # each method's budget for this machine
+    padding: VerifyPadding | None = None  # the verify sizes this machine pads (measured with the budgets)
     cold_start_s: float = 0.0
 
     def on_engine(self, fn, *args, **kwargs):
@@ -66,7 +67,7 @@ class AppState:
     def tune_budgets(self) -> None:
         """Each method's budget for this machine (cached on disk after the first start, which says so)."""
         start = time.perf_counter()
-        machine_costs(self.target)
+        self.padding = machine_costs(self.target).padding
         if (took := time.perf_counter() - start) > 1:
             log(f"specviz: first start on this machine: measured the verify cost in {took:.0f} s; now each "
                 "method's draft budget (about 10 s each, cached after this)")
@@ -90,7 +91,9 @@ class AppState:
                 self.unavailable[name] = f"could not be built ({type(e).__name__}: {e})"
 
     def drafter(self, name: str, settings: dict) -> Drafter:
-        """``name`` with ``settings``: the preloaded drafter at its defaults, else one built once and kept."""
+        """``name`` with ``settings``: the preloaded drafter at its defaults, else one built once and kept. One
+        drafter serves every session's races at once (each decode has its own state), so the cache is keyed
+        by the settings alone."""
         full = {**self.defaults(name), **settings}
         if full == self.defaults(name):
             return self.drafters[name]

@@ -14,8 +14,8 @@ from drafters import METHODS
 from specviz.core.metrics import TIE_TOLERANCE, divergence, extra_memory_pct, speedup, summarize, token_margins
 
 from .. import render, teaching
-from ..bench import exactness_text
 from ..race import Lane, race
+from ..results import BenchResult
 from .plan import Plan
 from .state import AppState
 
@@ -30,7 +30,7 @@ def plots(runs: dict) -> list:
 def warm_up(state: AppState) -> None:
     """Two tokens from every method and one of each plot, so the first Run pays no one-off costs."""
     try:
-        lanes = race(state.target, state.drafters, state.target.encode_chat("Hi"), 2)
+        lanes = race(state.target, state.drafters, state.target.text.encode_chat("Hi"), 2, padding=state.padding)
         plots({lane.label: lane.records for lane in lanes})
     except Exception as e:  # a slower first Run is no reason to refuse to start
         print(f"specviz: warm-up failed ({e!r}); continuing", file=sys.stderr)
@@ -150,19 +150,19 @@ def next_step(runs: dict, method: str, step: int, delta: int) -> int:
     return min(max(int(step or 0) + delta, 1 if len(steps) > 1 else 0), max(steps, default=0))
 
 
-def benchmark_table(result: dict | None):
+def benchmark_table(result: BenchResult | None):
     """τ, speedup, tok/s and identical-to-AR per method, and τ and speedup per category."""
     import pandas as pd
 
     rows = []
     if result is None:  # before the first run: the real column names, no rows
         return pd.DataFrame(columns=["method", "τ", "speedup", "tok/s", "identical to AR"])
-    for label, m in result["methods"].items():
-        row = {"method": label, "τ": round(m.get("tau", 1.0), 2), "speedup": round(m["speedup"], 2),
-               "tok/s": round(m["tokens_per_s"], 1), "identical to AR": exactness_text(m)}
-        for cat, c in sorted(m["by_category"].items()):
-            row[f"{cat} τ"] = None if c["tau"] is None else round(c["tau"], 2)
-            row[f"{cat} ×"] = round(c["speedup"], 2)
+    for label, m in result.methods.items():
+        row = {"method": label, "τ": round(1.0 if m.tau is None else m.tau, 2), "speedup": round(m.speedup, 2),
+               "tok/s": round(m.tokens_per_s, 1), "identical to AR": m.exactness_text()}
+        for cat, c in sorted(m.by_category.items()):
+            row[f"{cat} τ"] = None if c.tau is None else round(c.tau, 2)
+            row[f"{cat} ×"] = round(c.speedup, 2)
         rows.append(row)
     return pd.DataFrame(rows)
 

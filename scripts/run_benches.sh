@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The README's judged benches, each resumable: a step whose output says it is complete is skipped, a
-# killed one goes on with --resume from its .runs log (kept beside the output, in the work tree).
-#   bash assets/bench/run_benches.sh STEP [STEP ...]
+# The benches behind docs/results.md, each resumable: a step whose output says it is complete is skipped,
+# a killed one goes on with --resume from its .runs log (kept beside the output, in the work tree).
+#   bash scripts/run_benches.sh STEP [STEP ...]
 # Steps: trees-mtbench trees-humaneval (tau at the shared trees, fp32) tuned-fp32 tuned-auto (speed, packed
 # linear weights) tuned-fp32-default (speed on PyTorch's default linear kernels);
 # eagle3-train (2 epochs on the shared sequences and budget, resumable, shipped when done; its saves are
@@ -18,7 +18,7 @@
 # A step unfinished when a session ends: stop it and commit its *.runs logs (a new checkout holds only what
 # landed, and ~/.cache may be gone); the step removes them when it completes.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 TREE16=depth=4:top_k=4:total_tokens=16
 TREES="ar,pld,lookahead,medusa:preset=paper,medusa:heads=4:top_k=8:total_tokens=60,\
 medusa:heads=4:top_k=1:total_tokens=4,redrafter:preset=paper,redrafter:width=15:length=4,\
@@ -34,12 +34,20 @@ redrafter:width=28:length=4"
 EAGLE3="ar,eagle3:preset=paper,eagle3:$TREE16"
 HASS="ar,hass:preset=paper,hass:$TREE16"  # HASS trained with the reference's two stages (drafters/hass.py)
 
+complete() {  # a results file that exists and was not interrupted (plain JSON, or xz-compressed by its name)
+  python3 - "$1" 2>/dev/null <<'PY'
+import json, lzma, sys
+path = sys.argv[1]
+with (lzma.open if path.endswith(".xz") else open)(path, "rt") as f:
+    sys.exit(1 if json.load(f).get("interrupted", True) else 0)
+PY
+}
+
 run() {  # OUT, then bench arguments
   local out=$1; shift
   local parts=("$out".part*-of-*.runs)
   [ -f "${parts[0]}" ] || parts=()
-  if [ ! -f "$out.runs" ] && [ ${#parts[@]} = 0 ] && python3 -c "import sys; from pathlib import Path; from \
-specviz.apps.bench import load_results; sys.exit(load_results(Path(sys.argv[1]))['interrupted'])" "$out" 2>/dev/null; then
+  if [ ! -f "$out.runs" ] && [ ${#parts[@]} = 0 ] && complete "$out"; then
     echo "done: $out"; return
   fi
   local extra=()

@@ -1,9 +1,9 @@
 """Measure the app on the embedded target (a benchmark, not a test): cold start, first token, UI overhead.
 
-    python3 tests/measure_app.py [--runs 4] [--max-new-tokens 128]
+    python3 scripts/measure_app.py [--runs 4] [--max-new-tokens 128]
 
 Starts ``python app.py``, then for each run and method: the CLI's ``generate``, ``/compare`` and a
-streamed ``/race`` through gradio_client, and the page in headless chromium (tests/browser_check.py),
+streamed ``/race`` through gradio_client, and the page in headless chromium (scripts/browser_check.py),
 with the CPU chromium used meanwhile. Then, as a control, the CLI again beside a busy loop that takes
 as much CPU as chromium did: what sharing the cores alone costs, with no app in the way.
 Prints one JSON line per measurement and a summary: medians and their ratio to the CLI.
@@ -24,10 +24,12 @@ import sys
 import time
 import urllib.request
 from contextlib import contextmanager
+from pathlib import Path
 
 from gradio_client import Client
 
-from app_harness import ROOT, free_port
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test harness starts the app
+from app_harness import ROOT, free_port  # noqa: E402
 
 PROMPT = "Explain in a short paragraph why the sky is blue."
 
@@ -71,7 +73,7 @@ def race(client: Client, method: str, n: int) -> tuple[float, float]:
 
 def browser(url: str, method: str, n: int) -> tuple[float, float, float]:
     """Tokens/s on the page, the first token's delay, and the cores chromium kept busy from Run to done."""
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "browser_check.py"), url, "--methods", method,
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "browser_check.py"), url, "--methods", method,
                           "--max-new-tokens", str(n), "--prompt", PROMPT, "--cpu"], capture_output=True, text=True)
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     return (tokens_in(seen["heads"][method]) / seen["done_s"], seen["first_token_s"],

@@ -3,24 +3,17 @@ so a killed job started again does only the blocks it is missing."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
-
-def recipe_key(recipe) -> str:
-    """A short, stable name for everything that determines a job's output."""
-    return hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+from specviz.core.files import atomic_write
 
 
 def save_whole(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """A safetensors file written aside and renamed: a killed save leaves it whole or absent, never half."""
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    tmp.replace(path)
+    """A safetensors file written as ``atomic_write`` writes every file: a killed save leaves it whole or absent."""
+    atomic_write(path, save(tensors, metadata=metadata))
 
 
 class Shards:
@@ -44,7 +37,6 @@ class Shards:
         return [i for i in range(self.num) if not self.path(i).exists()]
 
     def save(self, i: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
         save_whole(self.path(i), {k: v.contiguous() for k, v in tensors.items()}, metadata)
 
     def load(self, i: int) -> dict[str, torch.Tensor]:

@@ -10,8 +10,6 @@ for one query: together about half of each step).
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,9 +20,11 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask
 
+from specviz.core.files import content_key
 from specviz.core.target import cache_kwarg
 
-from .shards import Shards, recipe_key
+from .batches import length_batches
+from .shards import Shards
 
 GROUPED = "specviz_grouped"
 
@@ -46,8 +46,11 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     return (probs @ value).reshape(b, h, q, d).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(GROUPED, grouped_attention)
-AttentionMaskInterface.register(GROUPED, eager_mask)
+def register_grouped_attention() -> None:
+    """Make ``GROUPED`` a name transformers' models can be set to. The registries are global to the process,
+    so this happens when a distill model is built, never on import (importing must not change transformers)."""
+    AttentionInterface.register(GROUPED, grouped_attention)
+    AttentionMaskInterface.register(GROUPED, eager_mask)
 
 
 @torch.inference_mode()
@@ -87,10 +90,9 @@ def greedy_answers(model, prompts: list[list[int]], max_new_tokens: int, eos: se
     return answers
 
 
-def length_sorted_batches(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
-    """Indices in batches of similar prompt length (little padding), longest first."""
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+def prompt_batches(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
+    """Indices in batches of ``batch_size`` prompts of similar length (little padding), longest first."""
+    return length_batches([len(p) for p in prompts], rows=batch_size, longest_first=True)
 
 
 class ShardedDistill:
@@ -102,9 +104,9 @@ class ShardedDistill:
     def __init__(self, folder: Path, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64,
                  shard_size: int = 512, label: str = ""):
         self.prompts, self.max_new_tokens, self.batch_size = prompts, max_new_tokens, batch_size
-        self.key = recipe_key({"prompts": hashlib.sha1(json.dumps(prompts).encode()).hexdigest(),
-                               "max_new_tokens": max_new_tokens, "batch_size": batch_size, "shard_size": shard_size,
-                               "label": label})
+        self.key = content_key({"prompts": content_key(prompts, length=40),  # the whole sha1: the names predate it
+                                "max_new_tokens": max_new_tokens, "batch_size": batch_size, "shard_size": shard_size,
+                                "label": label})
         self.folder = Path(folder) / f"distill-{self.key}"
         self.shards = Shards(self.folder, len(prompts), shard_size)
 
@@ -121,7 +123,7 @@ class ShardedDistill:
         for i in todo:
             shard = [self.prompts[j] for j in self.shards.items(i)]
             answers: list[list[int]] = [[] for _ in shard]
-            for batch in length_sorted_batches(shard, self.batch_size):
+            for batch in prompt_batches(shard, self.batch_size):
                 for j, answer in zip(batch, greedy_answers(model, [shard[j] for j in batch], self.max_new_tokens,
                                                            eos, pad)):
                     answers[j] = answer
@@ -155,6 +157,7 @@ def cast_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 def distill_model(target, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """A copy of the target's model in ``dtype`` (default: its own) with grouped attention, for writing answers."""
     twin = cast_copy(target.model, dtype or target.dtype)
+    register_grouped_attention()
     twin.set_attn_implementation(GROUPED)  # on the copy's own config
     return twin
 
@@ -162,9 +165,9 @@ def distill_model(target, dtype: torch.dtype | None = None) -> torch.nn.Module:
 def self_distill(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
                  dtype: torch.dtype | None = None) -> list[list[int]]:
     """Greedy answers written by the target itself, in memory (small runs and tests)."""
-    model, eos = distill_model(target, dtype), target.eos_token_ids
+    model, eos = distill_model(target, dtype), target.text.eos_token_ids
     answers: list[list[int]] = [[] for _ in prompts]
-    for batch in length_sorted_batches(prompts, batch_size):
+    for batch in prompt_batches(prompts, batch_size):
         for i, answer in zip(batch, greedy_answers(model, [prompts[i] for i in batch], max_new_tokens, eos,
                                                    pad=min(eos, default=0))):
             answers[i] = answer

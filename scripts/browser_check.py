@@ -1,6 +1,6 @@
 """Drive a running app in headless Debian chromium with Python playwright.
 
-    python tests/browser_check.py URL [--methods ar,pld] [--prompt TEXT] [--max-new-tokens N] [--screenshot PATH]
+    python scripts/browser_check.py URL [--methods ar,pld] [--prompt TEXT] [--max-new-tokens N] [--screenshot PATH]
 
 It loads the page, picks the methods, sets the token limit, presses Run, waits for every column to
 finish, opens the tree view, and prints one JSON line: what it saw and the seconds from Run to the

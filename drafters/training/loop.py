@@ -1,0 +1,232 @@
+"""The one training loop for every trained drafter, on ``accelerate``.
+
+Frozen target features -> the method's own loss -> a bf16 safetensors checkpoint with a JSON card. Methods
+plug in through the training protocol of ``TrainedDrafter``: ``new_network(target)`` and
+``training_loss(net, frozen, tokens, feats, valid, evaluate, done)``. The same code runs on a CPU, one GPU,
+or several through ``accelerate launch``; its state is saved in a work folder every ``save_every`` steps and
+after every epoch, so ``resume`` continues to the weights an unbroken run reaches.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from specviz.core.errors import SettingsError
+
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..trained import TrainedDrafter
+from ..vocab_head import FrozenTarget, draft_vocabulary
+from .batches import make_batch, training_batches
+from .card import RunFacts, training_card
+from .config import TrainConfig
+from .features import FeatureSet, LayerTaps
+from .state import Progress, Trainee, load_state, save_state, saved_state
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # tokens [B, T], features [B, T, H], valid [B, T]
+
+
+def cosine_with_warmup(total_steps: int, warmup: float) -> Callable[[int], float]:
+    warm = max(1, int(warmup * total_steps))
+    decay = max(1, total_steps - warm)
+    return lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / decay))
+
+
+def same_device(a, b) -> bool:
+    """``cuda`` and ``cuda:0`` are one device (accelerate says the first, a model's parameters the second)."""
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    """One process's accelerator: the CPU when the config says so, else the device ``accelerate launch`` gives.
+    bf16 is torch's own autocast around the loss (``cfg.precision``), not accelerate's process-wide setting."""
+    return Accelerator(cpu=torch.device(cfg.device).type == "cpu")
+
+
+@dataclass
+class Run:
+    """One method's training as set up: what every step reads and changes."""
+
+    method: type[TrainedDrafter]
+    cfg: TrainConfig
+    accelerator: Accelerator
+    net: nn.Module  # as the accelerator prepared it (wrapped when distributed)
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    frozen: FrozenTarget
+    taps: LayerTaps
+    plan: list[list[list[int]]]  # each epoch's batches, drawn up front so a resumed run sees the same ones
+    coverage: float  # share of the training tokens inside the draft vocabulary
+
+    @property
+    def total_steps(self) -> int:
+        return sum(len(p) for p in self.plan)
+
+    def trainee(self) -> Trainee:
+        return Trainee(self.accelerator.unwrap_model(self.net), self.optimizer, self.schedule)
+
+
+def set_up(method: type[TrainedDrafter], target, train_set: FeatureSet, cfg: TrainConfig, data_meta: dict,
+           accelerator: Accelerator) -> Run:
+    """A fresh network, its optimizer and schedule, the draft vocabulary and every epoch's batches, all from
+    ``cfg.seed``: a resumed run sets up exactly as the unbroken one did, then loads its state."""
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    vocab_map = draft_vocabulary(train_set.tokens, cfg.draft_vocab, target.vocab_size,
+                                 always=sorted(target.text.eos_token_ids))
+    coverage = float(torch.isin(train_set.tokens, vocab_map).float().mean())
+    frozen = FrozenTarget(target, vocab_map)
+    taps = LayerTaps.of(method, target, data_meta)
+    net = method.new_network(target).float().train()
+    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    plan = [training_batches(train_set, cfg.batch_tokens, cfg.max_length, gen) for _ in range(cfg.epochs)]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup(sum(len(p) for p in plan), cfg.warmup))
+    net, opt, sched = accelerator.prepare(net, opt, sched)
+    return Run(method, cfg, accelerator, net, opt, sched, frozen, taps, plan, coverage)
+
+
+def evaluate(method: type[TrainedDrafter], net, frozen, data: FeatureSet, cfg: TrainConfig,
+             taps: LayerTaps | None = None) -> dict:
+    """Agreement per depth (and the rest of the objective's statistics) over ``data``, weighted by positions."""
+    net.eval()
+    totals, weight = {}, 0
+    with torch.no_grad():
+        for ids in training_batches(data, cfg.batch_tokens, cfg.max_length, torch.Generator().manual_seed(0)):
+            tokens, feats, valid = make_batch(data, ids, cfg.max_length, frozen.head.device)
+            feats = feats if taps is None else taps(tokens, feats)
+            _, stats = method.training_loss(net, frozen, tokens, feats, valid, evaluate=True)
+            n = int(valid.sum())
+            weight += n
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v * n
+    net.train()
+    return {k: round(v / max(weight, 1), 4) for k, v in totals.items()}
+
+
+def validate_checkpoint(method: type[TrainedDrafter], target, folder: Path | None, val_set: FeatureSet,
+                        data_meta: dict, cfg: TrainConfig) -> dict:
+    """A checkpoint's agreement per depth on ``val_set``, measured as training measures it (``evaluate``)."""
+    state, _ = load_checkpoint(folder, method.name, target)
+    net, frozen = method.restore(target, state)
+    return evaluate(method, net, frozen, val_set, cfg, LayerTaps.of(method, target, data_meta))
+
+
+def depths(val: dict) -> str:
+    return " ".join(f"{val[f'acc{d}']:.3f}" for d in range(1, 9) if f"acc{d}" in val)
+
+
+def validate(run: Run, val_set: FeatureSet) -> dict:
+    return evaluate(run.method, run.accelerator.unwrap_model(run.net), run.frozen, val_set, run.cfg, run.taps)
+
+
+def epoch_batches(run: Run, train_set: FeatureSet, batches: list[list[int]], skip: int) -> Iterable[Batch]:
+    """The epoch's batches after the first ``skip`` (made before a resume), on the accelerator's device."""
+    if skip >= len(batches):
+        return []
+    loader = run.accelerator.prepare_data_loader(DataLoader(
+        range(len(train_set)), batch_sampler=batches,
+        collate_fn=lambda ids: make_batch(train_set, ids, run.cfg.max_length)))
+    return run.accelerator.skip_first_batches(loader, skip) if skip else loader
+
+
+def train_step(run: Run, batch: Batch, progress: Progress) -> None:
+    """One optimizer step; ``progress`` counts it and keeps a running mean of the objective's statistics."""
+    tokens, feats, valid = batch
+    feats = run.taps(tokens, feats)
+    with torch.autocast(run.accelerator.device.type, torch.bfloat16, enabled=run.cfg.mixed_precision == "bf16"):
+        loss, stats = run.method.training_loss(run.net, run.frozen, tokens, feats, valid,
+                                               done=progress.step / run.total_steps)
+    run.optimizer.zero_grad(set_to_none=True)
+    run.accelerator.backward(loss)
+    run.accelerator.clip_grad_norm_(run.net.parameters(), run.cfg.clip)
+    run.optimizer.step()
+    run.schedule.step()
+    progress.step, progress.tokens = progress.step + 1, progress.tokens + int(valid.sum())
+    for k, v in stats.items():
+        progress.running[k] = 0.9 * progress.running.get(k, v) + 0.1 * v
+
+
+def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: FeatureSet, cfg: TrainConfig,
+          data_meta: dict, out: Path | None = None, work: Path | None = None, resume: bool = False,
+          accelerator: Accelerator | None = None, after_step: Callable[[int], None] | None = None) -> dict:
+    """Train ``method`` on ``train_set``; save to ``out`` and return its card.
+
+    With ``work``, the training state is saved there every ``cfg.save_every`` steps and after every
+    epoch; ``resume`` continues from it. The target must sit on the accelerator's device (one process
+    per device under ``accelerate launch``). ``after_step(step)`` runs after every optimizer step."""
+    accelerator = accelerator or make_accelerator(cfg)
+    if not same_device(target.device, accelerator.device):
+        raise SettingsError(f"the target is on {target.device}, this process trains on {accelerator.device}")
+    try:
+        return _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume, accelerator, after_step)
+    finally:  # the accelerator keeps every object it prepared: let go, so the next drafter's run holds its own only
+        accelerator.free_memory()
+
+
+def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume, accelerator, after_step) -> dict:
+    run = set_up(method, target, train_set, cfg, data_meta, accelerator)
+    progress = Progress(running={}, history=[])
+    if resume:
+        saved = saved_state(work)
+        if saved is None:
+            raise SettingsError(f"nothing to resume in {work}: no saved training state")
+        progress = load_state(saved, run.trainee(), accelerator)
+    start = time.perf_counter() - progress.wall_s
+    bar = tqdm(total=run.total_steps, initial=progress.step, desc=f"train {method.name}", unit="step",
+               disable=not accelerator.is_main_process)
+
+    def save() -> None:
+        if work is not None:
+            progress.wall_s = time.perf_counter() - start
+            save_state(Path(work) / "state", run.trainee(), progress, accelerator)
+
+    first = 0  # the first step of this epoch
+    for epoch, batches in enumerate(run.plan):
+        skip = max(0, progress.step - first)  # steps of this epoch made before a resume
+        first += len(batches)
+        if epoch < len(progress.history):  # trained, evaluated and saved before a resume
+            continue
+        for batch in epoch_batches(run, train_set, batches, skip):
+            train_step(run, batch, progress)
+            bar.update()
+            bar.set_postfix(tok_s=f"{progress.tokens / max(time.perf_counter() - start, 1e-9):.0f}",
+                            **{k: f"{v:.3f}" for k, v in progress.running.items() if k in ("acc1", "loss1")})
+            if cfg.validate_every and progress.step % cfg.validate_every == 0:
+                val = validate(run, val_set)
+                progress.checks = [*(progress.checks or []), {"step": progress.step, "val": val}]
+                tqdm.write(f"{method.name} step {progress.step}: validation agreement by depth " + depths(val))
+            if after_step is not None:
+                after_step(progress.step)
+            if progress.step % cfg.save_every == 0:
+                save()
+        val = validate(run, val_set)
+        progress.history.append({"epoch": epoch + 1, "train": {k: round(v, 4) for k, v in progress.running.items()},
+                                 "val": val})
+        progress.running = {}
+        tqdm.write(f"{method.name} epoch {epoch + 1}: validation agreement by depth " + depths(val))
+        save()
+    bar.close()
+    return finish(run, target, cfg, data_meta, progress, time.perf_counter() - start, out)
+
+
+def finish(run: Run, target, cfg: TrainConfig, data_meta: dict, progress: Progress, wall_s: float,
+           out: Path | None) -> dict:
+    """The trained network's card, and its checkpoint in ``out`` (written by the main process)."""
+    net, accelerator = run.accelerator.unwrap_model(run.net), run.accelerator
+    facts = RunFacts(wall_s, accelerator.num_processes, accelerator.device, run.taps.layers, run.coverage)
+    card = training_card(run.method, target, cfg, data_meta, progress, net, run.frozen, facts)
+    if out is not None and accelerator.is_main_process:
+        weights = {k: v.detach() for k, v in net.state_dict().items()}
+        weights["vocab_map"] = run.frozen.vocab_map.int()
+        save_checkpoint(out, weights, card)
+    return card

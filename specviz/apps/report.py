@@ -1,0 +1,127 @@
+"""Results as text: one bench (or several runs of it, merged) as Markdown, and ``docs/results.md`` generated
+from every results file committed in ``assets/bench``.
+
+The docs page is a function of the files alone (sorted by name, no clock read, no machine asked), so the same
+files always give the same page and a test can tell when the committed page has fallen behind them.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+from pathlib import Path
+
+from specviz.core import files
+from specviz.core.errors import SettingsError
+
+from .orderings import ordering_table
+from .results import BenchResult, budget_table, markdown_rows, markdown_table, merge
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH_DIR = ROOT / "assets" / "bench"
+RESULTS_DOC = ROOT / "docs" / "results.md"
+DOCS_COMMAND = "python -m specviz report --docs"
+
+
+def headline(result: BenchResult) -> str:
+    """The question set, prompts, tokens, dtype, rule, machine and date in one line."""
+    text = (f"{result.questions or '?'}, {len(result.per_prompt)} prompts, {result.max_new_tokens} new tokens, "
+            f"{result.dtype}, {result.sampling.rule}; {result.machine}, {result.date}")
+    return text + (f"; {result.kernels_note}" if result.kernels_note else "")
+
+
+def bench_report(result: BenchResult) -> str:
+    """The method table, then the tuned budgets and the papers' orderings where the run has them."""
+    parts = [markdown_table(result)]
+    if budgets := budget_table(result):
+        parts.append("Tuned budgets, expected against measured:\n\n" + budgets)
+    if orderings := ordering_table(result.methods):
+        parts.append("The papers' orderings, at equal budgets:\n\n" + orderings)
+    return "\n\n".join(parts)
+
+
+def summary_table(result: BenchResult) -> str:
+    """The terminal's table after a bench: τ, speed, speedup and equality per method."""
+    lines = [f"{'method':28} {'tau':>6} {'tok/s':>7} {'speedup':>8} {'identical':>10}"]
+    for label, m in result.methods.items():
+        tau = "-" if m.tau is None else f"{m.tau:.2f}"
+        lines.append(f"{label:28} {tau:>6} {m.tokens_per_s:7.1f} {m.speedup:7.2f}x {m.exactness_text():>10}")
+    return "\n".join(lines)
+
+
+def report(paths: list[str]) -> str:
+    """What ``python -m specviz report FILE...`` prints: the runs merged (each method from the first run that
+    has it), their headline and tables."""
+    result = merge([BenchResult.load(Path(p)) for p in paths], list(paths))
+    merged = ("merged from " + ", ".join(paths) + " (speeds compare within one run only)\n") if len(paths) > 1 else ""
+    return merged + headline(result) + "\n\n" + bench_report(result)
+
+
+def _read(path: Path) -> dict | None:
+    """The file's JSON object, or None when it is not one (a damaged or foreign file is listed, never fatal)."""
+    try:
+        data = json.loads(files.read_bytes(path))
+    except (OSError, lzma.LZMAError, EOFError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _profile_row(name: str, d: dict) -> str:
+    curve = " · ".join(f"{r['tokens']}: {r['ms']:.1f}" for r in d["curve"])
+    return (f"| `{name}` | {d.get('machine', '?')} | {d.get('dtype', '?')} | {d.get('shape', 'chain')} "
+            f"| {d.get('context', '?')} | {d.get('date', '?')} | {curve} |")
+
+
+def _sweep_section(name: str, d: dict) -> str:
+    rows = [f"| `{r['method']}` | {r['rule']} | {r['temperature']} | {r['tau']:.2f} | {r['speedup']:.2f}× "
+            f"| {r['tokens_per_s']:.1f} | {r['log_likelihood']:.3f} |" for r in d["rows"]]
+    table = markdown_rows(["method", "rule", "temperature", "τ", "speedup", "tok/s",
+                           "log-likelihood per token"], rows)
+    return f"### `{name}`\n\n{d.get('machine', '?')}, {d.get('dtype', '?')}\n\n{table}"
+
+
+def _bench_section(name: str, result: BenchResult) -> str:
+    state = " (interrupted: the prompts every method finished)" if result.interrupted else ""
+    return f"### `{name}`\n\n{headline(result)}{state}\n\n{bench_report(result)}"
+
+
+def results_doc(folder: Path | None = None) -> str:
+    """``docs/results.md``: every results file in ``folder`` as a section, benches first, then the verify-cost
+    curves and the temperature sweeps; files of another layout are named, not read."""
+    benches, profiles, sweeps, other = [], [], [], []
+    for path in sorted(p for p in Path(folder or BENCH_DIR).iterdir() if p.name.endswith((".json", ".json.xz"))):
+        d = _read(path)
+        if d is not None and {"methods", "per_prompt"} <= d.keys():
+            try:
+                benches.append(_bench_section(path.name, BenchResult.from_dict(d)))
+                continue
+            except (KeyError, TypeError, AttributeError, SettingsError):
+                pass
+        elif d is not None and isinstance(d.get("curve"), list):
+            profiles.append(_profile_row(path.name, d))
+            continue
+        elif d is not None and isinstance(d.get("rows"), list):
+            sweeps.append(_sweep_section(path.name, d))
+            continue
+        other.append(f"- `{path.name}`")
+    parts = [f"# Results\n\nGenerated by `{DOCS_COMMAND}` from the results files in `assets/bench/`; edit those "
+             "files (or add one), then run the command. τ is the tokens per target forward; speedups compare "
+             "methods within one run, on that run's machine."]
+    if benches:
+        parts.append("## Benchmarks\n\n" + "\n\n".join(benches))
+    if profiles:
+        parts.append("## Verify-cost curves\n\nms of one target forward verifying n tokens after the context "
+                     "(`python -m specviz profile`).\n\n"
+                     + markdown_rows(["file", "machine", "dtype", "shape", "context", "date", "tokens: ms"], profiles))
+    if sweeps:
+        parts.append("## Temperature sweeps\n\n" + "\n\n".join(sweeps))
+    if other:
+        parts.append("## Other files\n\nNot a layout this page reads:\n\n" + "\n".join(other))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_results_doc(path: Path | None = None, folder: Path | None = None) -> Path:
+    """Regenerate ``docs/results.md`` (or ``path``) from the results files in ``folder``."""
+    path = path or RESULTS_DOC
+    files.atomic_write(path, results_doc(folder or BENCH_DIR))
+    return path

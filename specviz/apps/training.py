@@ -1,0 +1,120 @@
+"""The training commands: build the sequences (``data``), train drafters at one budget (``train``), and measure
+checkpoints on a recipe's held-out split (``validate``). The pipeline itself is ``drafters.training``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from drafters import METHODS
+from specviz.core.errors import SpecvizError
+from specviz.core.files import atomic_write
+from specviz.core.load import cache_dir, load_target, resolve_dtype_or_auto
+
+
+def data_recipe(samples: str, self_distill: bool, max_prompt_tokens: int, answer_tokens: int, distill_batch: int,
+                prompts: str, distill_dtype: str, feature_dtype: str | None, device: str):
+    """The data recipe the arguments name (``samples``: a positive number or 'all')."""
+    from drafters.training.sequences import DataRecipe
+
+    count = None if samples == "all" else int(samples) if samples.isdigit() else 0
+    if count is not None and count < 1:
+        raise SpecvizError(f"--samples must be a positive number or 'all', got {samples!r}")
+    return DataRecipe(count, self_distill, max_prompt_tokens, answer_tokens, batch_size=distill_batch,
+                      prompts=prompts, distill_dtype=resolve_dtype_or_auto(distill_dtype, device),
+                      feature_dtype=resolve_dtype_or_auto(feature_dtype, device) if feature_dtype else None)
+
+
+def drafters_to_train(spec: str) -> list[str]:
+    """'all', one trained method or a comma-separated list of them."""
+    trained = [n for n, (c, _) in METHODS.items() if c.trained]
+    names = trained if spec == "all" else [n.strip() for n in spec.split(",") if n.strip()]
+    wrong = [n for n in names if n not in trained]
+    if wrong or not names:
+        raise SpecvizError(f"{', '.join(wrong) or spec!r} is not a trained drafter; choose from "
+                           f"{', '.join(trained)} (or a comma-separated list, or all)")
+    return names
+
+
+def build_data(target_spec: str | None, device: str, recipe, ship: bool) -> None:
+    from drafters.training.sequences import SHIPPED_SEQUENCES, prepare_sequences, save_sequences
+
+    target = load_target(target_spec, "float32", device)
+    splits = prepare_sequences(target, recipe, cache_dir() / "train")
+    tokens = {name: sum(int(s.numel()) - a for s, a in seqs) for name, seqs in splits.items()}
+    print(f"sequences {recipe.key(target)}: {len(splits['train'])} train ({tokens['train']:,} answer tokens), "
+          f"{len(splits['val'])} validation, in {cache_dir() / 'train'}")
+    if ship:
+        path = SHIPPED_SEQUENCES / f"sequences-{recipe.key(target)}.safetensors.xz"
+        save_sequences(path, splits, recipe.card(target))
+        print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+
+
+def train_drafters(names: list[str], target_spec: str | None, recipe, cfg, out: str | None, resume: bool,
+                   ship: bool) -> None:
+    """Train each of ``names`` at one equal budget (same data, config and epochs), each in a run folder named by
+    everything that determines it, so ``resume`` finds a finished or saved run again."""
+    from drafters.checkpoint import CARD, ship_checkpoint
+    from drafters.training.config import run_key
+    from drafters.training.dataset import prepare
+    from drafters.training.loop import make_accelerator, train
+    from drafters.training.state import saved_state
+
+    if out and len(names) > 1:
+        raise SpecvizError("--out names one checkpoint folder; train several drafters without it")
+    if torch.device(cfg.device).type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # the CPU only batches for a GPU: more threads slowed a lone run, and
+        # several runs sharing one host's cores starved each other
+    accelerator = make_accelerator(cfg)  # one process per device under `accelerate launch`
+    target = load_target(target_spec, "float32", str(accelerator.device))
+    taps_all = all(METHODS[name][0].tapped_layers(target.num_layers) for name in names)  # each runs the body itself
+    train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train", features=not taps_all)
+    for name in names:
+        key = run_key(METHODS[name][0], recipe.features_key(target), cfg)  # a changed objective is another run
+        work = cache_dir() / "train" / "runs" / f"{name}-{key}"
+        finished = work / "checkpoint"
+        folder = Path(out) if out else finished
+        if resume and (finished / CARD).exists():  # trained to the end before: reuse it
+            if folder != finished:
+                shutil.copytree(finished, folder, dirs_exist_ok=True)
+            print(f"{name}: finished before, in {finished}" + (f"; copied to {folder}" if folder != finished else ""))
+        else:
+            saved = saved_state(work) is not None
+            if resume and not saved:
+                print(f"{name}: no saved state in {work}; starting it", flush=True)
+            card = train(METHODS[name][0], target, train_set, val_set, cfg, meta, folder, work, resume and saved,
+                         accelerator)
+            if folder != finished and accelerator.is_main_process:  # the run folder keeps the final one too
+                shutil.copytree(folder, finished, dirs_exist_ok=True)
+            print(f"wrote {folder} ({card['parameters']['trained']:,} trained parameters, "
+                  f"{card['training']['steps']} steps in {card['training']['wall_s']:.0f} s); "
+                  f"validation {card['history'][-1]['val']}")
+        if ship and accelerator.is_main_process:
+            print(f"shipped {name} to {ship_checkpoint(finished, name)}")
+
+
+def validate_drafters(names: list[str], target_spec: str | None, device: str, recipe, checkpoint: str | None,
+                      batch_tokens: int, out: str | None) -> None:
+    """Agreement per depth of existing checkpoints on a recipe's held-out prompts, measured as training does:
+    compare checkpoints trained on different data on one split."""
+    from drafters.training.config import TrainConfig
+    from drafters.training.dataset import validation_set
+    from drafters.training.loop import depths, validate_checkpoint
+
+    if checkpoint and len(names) > 1:
+        raise SpecvizError("--checkpoint names one checkpoint folder; validate several drafters without it")
+    target = load_target(target_spec, "float32", device)
+    val_set, meta = validation_set(target, recipe, cache_dir() / "train")
+    cfg = TrainConfig(batch_tokens=batch_tokens, device=device)
+    folder, results = Path(checkpoint) if checkpoint else None, {}
+    print(f"held-out split {recipe.features_key(target)}: {len(val_set)} prompts")
+    for name in names:
+        results[name] = validate_checkpoint(METHODS[name][0], target, folder, val_set, meta, cfg)
+        print(f"{name:10} agreement by depth {depths(results[name])}", flush=True)
+    if out:
+        atomic_write(Path(out), json.dumps({"split": recipe.features_key(target), "prompts": len(val_set),
+                                            "validation": results}, indent=2) + "\n")

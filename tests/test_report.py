@@ -1,0 +1,39 @@
+"""docs/results.md is generated from the committed results files, and stays current with them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from specviz.apps import report
+from specviz.apps.cli import main
+
+
+def test_docs_results_md_is_current():
+    assert report.RESULTS_DOC.read_text() == report.results_doc(), (
+        f"docs/results.md is not what assets/bench holds now: run `{report.DOCS_COMMAND}` and commit the result")
+
+
+def test_every_layout_gets_its_place_and_nothing_crashes(tmp_path, monkeypatch, capsys):
+    bench = sorted(report.BENCH_DIR.glob("mtbench8_tuned_*.json.xz"))[0]
+    shutil.copy(bench, tmp_path / "b.json.xz")
+    shutil.copy(bench, tmp_path / "a.json.xz")  # a second file: sections in name order
+    shutil.copy(report.BENCH_DIR / "profile_cuda_bf16_h100.json", tmp_path / "profile.json")
+    shutil.copy(report.BENCH_DIR / "sweep_mtbench16_fp32_cpu.json", tmp_path / "sweep.json")
+    (tmp_path / "cut.json.xz").write_bytes(b"\xfd7zXZ\x00 cut short")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "broken_bench.json").write_text(json.dumps({"methods": {}, "per_prompt": [{}]}))
+    (tmp_path / "notes.txt").write_text("not a results file")
+    doc = report.results_doc(tmp_path)
+    assert doc == report.results_doc(tmp_path)  # the same files, the same page
+    sections = [line for line in doc.splitlines() if line.startswith("#")]
+    assert sections == ["# Results", "## Benchmarks", "### `a.json.xz`", "### `b.json.xz`", "## Verify-cost curves",
+                        "## Temperature sweeps", "### `sweep.json`", "## Other files"]
+    assert "| `profile.json` | NVIDIA H100 80GB HBM3 | bfloat16 | chain | 256 | 2026-11-26 | 1: " in doc
+    assert doc.count("| `ar` | 1.00 |") == 2 and "| `hf` | – | – | – |" in doc
+    assert "- `broken_bench.json`\n- `cut.json.xz`\n- `list.json`" in doc and "notes.txt" not in doc
+    monkeypatch.setattr(report, "RESULTS_DOC", tmp_path / "docs" / "results.md")
+    monkeypatch.setattr(report, "BENCH_DIR", tmp_path)
+    assert main(["report", "--docs"]) == 0
+    assert (tmp_path / "docs" / "results.md").read_text() == doc
+    assert "wrote " in capsys.readouterr().out
