@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from trained_helpers import checkpoint_fixtures
 
 from drafters import build_drafter
 from drafters.heads import DEPTH, beam_search
@@ -14,21 +15,13 @@ from drafters.medusa import MedusaHeads
 from drafters.redrafter import RecurrentHead
 from drafters.semi_ar import FixedAttentionLM, LstmLM
 from drafters.training.losses import chain_loss, teacher_forced
-from specviz.core.target import TargetModel
 
 VOCAB, HIDDEN = 64, 64
 METHODS = ("medusa", "redrafter", "semi-attn", "semi-lstm")
 NETWORKS = {"medusa": MedusaHeads, "redrafter": RecurrentHead, "semi-attn": FixedAttentionLM, "semi-lstm": LstmLM}
 
 
-@pytest.fixture(scope="module")
-def target(tiny_target) -> TargetModel:
-    return tiny_target(VOCAB, seed=0, num_layers=2)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(target, tiny_checkpoint) -> dict:
-    return {m: tiny_checkpoint(target, m, epochs=4) for m in METHODS}
+target, checkpoints = checkpoint_fixtures(VOCAB, METHODS, epochs=4)
 
 
 class OneHot:

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from trained_helpers import checkpoint_fixtures
 
 from drafters import build_drafter
 from drafters.checkpoint import CheckpointError
@@ -17,7 +18,6 @@ from specviz.core.engine import run
 from specviz.core.errors import SettingsError
 from specviz.core.metrics import summarize
 from specviz.core.protocol import Commit, DraftRequest
-from specviz.core.target import TargetModel
 from specviz.core.tree import DraftTree
 from specviz.core.verify import Sampling
 
@@ -25,14 +25,7 @@ VOCAB, HIDDEN = 64, 64
 METHODS = ("medusa", "redrafter", "semi-attn", "semi-lstm")
 
 
-@pytest.fixture(scope="module")
-def target(tiny_target) -> TargetModel:
-    return tiny_target(VOCAB, seed=0, num_layers=2)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(target, tiny_checkpoint) -> dict:
-    return {m: tiny_checkpoint(target, m, epochs=4) for m in METHODS}
+target, checkpoints = checkpoint_fixtures(VOCAB, METHODS, epochs=4)
 
 
 def test_redrafter_tree_is_its_beams_merged_and_verified_once(target, checkpoints):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
-from trained_helpers import HIDDEN, METHODS, VOCAB, Twin, load, prompts
+from trained_helpers import HIDDEN, METHODS, VOCAB, Twin, checkpoint_fixtures, load, prompts
 
 from drafters import build_drafter, checkpoint
 from drafters.checkpoint import CheckpointError
@@ -20,16 +20,7 @@ from specviz.core.errors import SpecvizError
 from specviz.core.protocol import Commit
 from specviz.core.target import TargetModel
 
-
-@pytest.fixture(scope="module")
-def target(tiny_target) -> TargetModel:
-    return tiny_target(VOCAB, seed=0, num_layers=2)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(target, tiny_checkpoint) -> dict:
-    """One tiny checkpoint per method, trained for ``target`` through the real pipeline (once per test run)."""
-    return {m: tiny_checkpoint(target, m) for m in METHODS}
+target, checkpoints = checkpoint_fixtures(VOCAB, METHODS)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -5,25 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trained_helpers import METHODS, VOCAB, Twin, causal, load, prompts
+from trained_helpers import METHODS, VOCAB, Twin, causal, checkpoint_fixtures, load, prompts
 from transformers import DynamicCache
 
 from specviz.core.engine import run
 from specviz.core.protocol import Commit, DraftRequest
-from specviz.core.target import TargetModel
 from specviz.core.tree import additive_mask
 from specviz.core.verify import Sampling
 
-
-@pytest.fixture(scope="module")
-def target(tiny_target) -> TargetModel:
-    return tiny_target(VOCAB, seed=0, num_layers=2)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(target, tiny_checkpoint) -> dict:
-    """One tiny checkpoint per method, trained for ``target`` through the real pipeline (once per test run)."""
-    return {m: tiny_checkpoint(target, m) for m in METHODS}
+target, checkpoints = checkpoint_fixtures(VOCAB, METHODS)
 
 
 # -- the dynamic draft tree -----------------------------------------------------------------------

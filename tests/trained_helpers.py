@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from drafters import build_drafter
@@ -46,3 +47,18 @@ class Twin(Drafter):
         tree = self.main.propose(state[0], request)
         self.log.append((request.max_depth, tree, self.other.propose(state[1], request)))
         return tree
+
+
+def checkpoint_fixtures(vocab: int, methods, **train):
+    """A test module's ``target`` (a tiny random Llama) and ``checkpoints`` (one tiny checkpoint per method,
+    trained through the real pipeline once per test run) fixtures: ``target, checkpoints = ...``."""
+
+    @pytest.fixture(scope="module")
+    def target(tiny_target):
+        return tiny_target(vocab, seed=0, num_layers=2)
+
+    @pytest.fixture(scope="module")
+    def checkpoints(target, tiny_checkpoint) -> dict:
+        return {m: tiny_checkpoint(target, m, **train) for m in methods}
+
+    return target, checkpoints
