@@ -50,6 +50,7 @@ class LookaheadState:
 class LookaheadDrafter(Drafter):
     name = "lookahead"
     title = "Lookahead decoding: Jacobi iterations + n-gram pool (training-free)"
+    reads_verified_top = True  # the Jacobi columns advance by the target's own top tokens
 
     def __init__(self, target=None, settings: LookaheadSettings | None = None):
         self.settings = settings or LookaheadSettings()

@@ -151,8 +151,8 @@ def generate(
                 commit = Commit(torch.as_tensor(prompt_ids), feats, result.bonus)
             else:
                 target.commit(cache, past, keep)
-                commit = Commit(tree.input_ids(sequence[-1])[keep], feats[keep], result.bonus,
-                                logits.argmax(-1).cpu())  # the target's top token per row, for drafters
+                top = logits.argmax(-1).cpu() if drafter.reads_verified_top else None
+                commit = Commit(tree.input_ids(sequence[-1])[keep], feats[keep], result.bonus, top)
         with timer("draft"):
             drafter.observe(state, commit)
         with timer("other"):

@@ -30,7 +30,9 @@ class Commit:
     tokens: torch.Tensor  # [T] the prompt after prefill; root + accepted drafts after a step
     features: torch.Tensor  # [T, H] the target's final-norm output there, then any tapped layers (core.target)
     pending: int  # the target's newest token, the root of the next draft tree
-    verified_top: torch.Tensor | None = None  # [N+1] the target's top token after every verified node, root first
+    # [N+1] the target's top token after every verified node, root first; only for a drafter that sets
+    # ``reads_verified_top`` (an argmax over the vocabulary and a host copy per step: not for the rest)
+    verified_top: torch.Tensor | None = None
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Drafter:
     name = "base"
     title = ""  # one line for listings and the UI
     trained = False  # ships a checkpoint
+    reads_verified_top = False  # its observe() reads Commit.verified_top
 
     def start(self) -> object:
         """A fresh state for one decode: what ``observe`` learns and ``propose`` reads (caches, queues)."""
