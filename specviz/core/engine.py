@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache
 
 from .errors import SettingsError
 from .protocol import Commit, Drafter, DraftRequest
@@ -110,7 +110,7 @@ def generate(
     max_new_tokens: int = 128,
     sampling: Sampling | None = None,
     stop_on_eos: bool = True,
-    cache: DynamicCache | None = None,
+    cache: Cache | None = None,
     observers: Sequence[Observer] = (),
     padding: VerifyPadding | None = None,
     state: object = None,
@@ -125,7 +125,7 @@ def generate(
     check_request(target, prompt_ids, max_new_tokens)
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     eos = target.text.eos_token_ids if stop_on_eos else frozenset()
-    cache = target.new_cache() if cache is None else cache
+    cache = target.new_cache(len(prompt_ids) + max_new_tokens + 64) if cache is None else cache  # 64: a tree's rows
     device = target.device
     sequence, produced, step, finished = list(prompt_ids), 0, 0, None
     while finished is None:

@@ -1,8 +1,9 @@
 """The target model: prefill, verify a whole draft tree in one forward, commit the accepted path.
 
-Only transformers' public API is used: a custom 4D additive mask, explicit ``position_ids`` and a
-``DynamicCache`` whose layers are trimmed to the accepted path after each verify. The cache belongs
-to the decode loop that uses it (``new_cache()``), so several decodes can share one target.
+Only transformers' public API is used: a custom 4D additive mask, explicit ``position_ids`` and a KV
+``Cache`` (``core.cache.SlabCache``: preallocated, rewound by a length) trimmed to the accepted path after
+each verify. The cache belongs to the decode loop that uses it (``new_cache()``), so several decodes can
+share one target.
 
 The target only decodes. It runs the model as given (in eval mode) and changes nothing else on it:
 running the head in fp32 and packing the linear layers is ``core.load.prepare``'s, done where the
@@ -23,8 +24,10 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache
 
+from .cache import SlabCache
+from .cache import for_model as cache_for_model
 from .errors import SpecvizError
 from .packing import packed_count
 from .text import ChatText
@@ -128,12 +131,13 @@ class TargetModel:
         return [1 + self.taps.index(i) for i in layers]
 
     # -- forward passes ---------------------------------------------------------------------
-    def new_cache(self) -> DynamicCache:
-        """An empty KV cache for one decode."""
-        return DynamicCache(config=self.config)
+    def new_cache(self, capacity: int = 256) -> Cache:
+        """An empty KV cache for one decode, sized for ``capacity`` tokens (it grows past them if it must): a
+        ``core.cache.SlabCache`` where every layer is full attention, else transformers' ``DynamicCache``."""
+        return cache_for_model(self.config, capacity)
 
     @torch.inference_mode()
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache,
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Cache,
                  keep: int = 0):
         captured: list[torch.Tensor] = []
         hook = None if self._norm is None else self._norm.register_forward_hook(
@@ -156,7 +160,7 @@ class TargetModel:
             feats = torch.cat([feats] + [out.hidden_states[i].to(feats.dtype) for i in self.taps], dim=-1)
         return out.logits[0], feats[0]
 
-    def prefill(self, ids: list[int] | torch.Tensor, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, ids: list[int] | torch.Tensor, cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill ``cache`` (emptied first) with ``ids``. Returns the last position's logits [V] and features [L, H]."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         if ids.numel() == 0:
@@ -168,7 +172,7 @@ class TargetModel:
         logits, feats = self._forward(ids, torch.arange(ids.numel())[None], None, cache, keep=1)
         return logits[-1], feats
 
-    def verify(self, root: int, tree: DraftTree, cache: DynamicCache,
+    def verify(self, root: int, tree: DraftTree, cache: Cache,
                padding: VerifyPadding | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over root + tree after ``cache``. Returns logits [N+1, V] and features [N+1, H].
 
@@ -186,13 +190,16 @@ class TargetModel:
         logits, feats = self._forward(tree.input_ids(root), tree.positions(past), mask, cache)
         return logits[:n], feats[:n]
 
-    def commit(self, cache: DynamicCache, past: int, keep: list[int]) -> None:
+    def commit(self, cache: Cache, past: int, keep: list[int]) -> None:
         """Keep only the cache entries of verify-input indices ``keep`` (root first) after ``past``."""
         total = cache.get_seq_length()
         if keep == list(range(len(keep))):  # a prefix of the verify input: plain crop
             drop = total - past - len(keep)
             if drop > 0:
                 cache.crop(-drop)
+            return
+        if isinstance(cache, SlabCache):  # in place: only the accepted rows move
+            cache.keep(past, keep)
             return
         index = torch.cat([torch.arange(past), past + torch.tensor(keep)]).to(self.device)
         for layer in cache.layers:

@@ -1,0 +1,132 @@
+"""The target's KV cache: preallocated buffers where rollback rewinds a length and a commit moves only the
+accepted rows (gpt-fast's static cache, with ml-recurrent-drafter's in-place commit).
+
+transformers' ``DynamicCache`` grows by concatenation, which copies the whole context into a new tensor on
+every forward, and a tree commit had to gather the whole context again. Here each layer owns one buffer
+``[batch, kv_heads, capacity, head_dim]`` per keys and values, allocated at the first write:
+
+- ``update`` (what attention calls) copies the new rows in at ``length`` and returns views of the first
+  ``length + n`` rows: attention reads exactly the live context, as with a dynamic cache, so the masks
+  transformers builds (from ``get_seq_length``) and ours (``DraftTree.attention_mask``) are unchanged;
+- ``crop(-k)`` rewinds ``length`` by k, copying nothing;
+- ``keep(past, rows)`` moves the verify rows that were accepted to ``past, past+1, ...``: O(accepted),
+  whatever the context;
+- a write past ``capacity`` doubles the buffer (amortised O(1) per row), so a decode that outgrows its
+  estimate is slower once, never wrong.
+
+Invariant: rows ``[0, length)`` of every layer hold the keys and values of the committed sequence, in
+order; rows at or after ``length`` are stale and never read.
+
+Only plain full-attention layers are held this way; a model with sliding-window or linear-attention layers
+gets transformers' own ``DynamicCache`` (``for_model``), and a tree commit there is refused by the target.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache, DynamicCache
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+
+
+class SlabLayer(DynamicLayer):
+    """One decoder layer's keys and values in buffers of ``capacity`` rows, ``length`` of them live."""
+
+    def __init__(self, capacity: int = 256):
+        super().__init__()
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+        self._keys: torch.Tensor | None = None  # the buffers; ``keys``/``values`` are views of their live rows
+        self._values: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._keys = key_states.new_empty((*key_states.shape[:2], self.capacity, key_states.shape[-1]))
+        self._values = value_states.new_empty((*value_states.shape[:2], self.capacity, value_states.shape[-1]))
+        self.is_initialized = True
+        self._view()
+
+    def _view(self) -> None:
+        self.keys = self._keys[:, :, : self.length]
+        self.values = self._values[:, :, : self.length]
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self.capacity)
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            new = old.new_empty((*old.shape[:2], capacity, old.shape[-1]))
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+        self.capacity = capacity
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            self._grow(end)
+        self._keys[:, :, self.length: end] = key_states
+        self._values[:, :, self.length: end] = value_states
+        self.length = end
+        self._view()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """``crop(-k)`` forgets the last k rows (transformers' convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of rows to drop, got {tokens_to_remove}")
+        self.length = max(0, self.length + tokens_to_remove)
+        if self.is_initialized:
+            self._view()
+
+    @torch.inference_mode()  # the buffers were made by a forward under inference mode
+    def keep(self, past: int, rows: torch.Tensor) -> None:
+        """Keep rows ``past + rows`` (on this layer's device) as ``past, past+1, ...``; drop the rest."""
+        n = rows.numel()
+        for buffer in (self._keys, self._values):
+            buffer[:, :, past: past + n] = buffer.index_select(2, past + rows)  # gathered first: sources may overlap
+        self.length = past + n
+        self._view()
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self._view()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("a SlabCache holds one sequence per batch row as allocated")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("a SlabCache holds one sequence per batch row as allocated")
+
+
+class SlabCache(Cache):
+    """A KV cache of ``SlabLayer``s: one per decoder layer, each ``capacity`` rows to start with."""
+
+    def __init__(self, num_layers: int, capacity: int = 256):
+        super().__init__(layers=[SlabLayer(capacity) for _ in range(num_layers)])
+
+    def keep(self, past: int, rows: list[int] | torch.Tensor) -> None:
+        """Keep verify rows ``rows`` (indices after ``past``, in order of the sequence) as the rows after ``past``."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        on_device: dict[torch.device, torch.Tensor] = {}
+        for layer in self.layers:
+            if layer.is_initialized:
+                index = on_device.setdefault(layer.device, rows.to(layer.device))
+                layer.keep(past, index)
+
+
+def full_attention_only(config) -> bool:
+    """Whether every decoder layer of ``config`` is plain full attention (what a ``SlabCache`` holds), by the rule
+    transformers' own ``DynamicCache`` uses to choose its layers."""
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return all(t == "full_attention" for t in layer_types)
+
+
+def for_model(config, capacity: int = 256) -> Cache:
+    """A ``SlabCache`` for a model whose layers are all full attention, else transformers' ``DynamicCache``."""
+    if full_attention_only(config):
+        return SlabCache(config.get_text_config(decoder=True).num_hidden_layers, capacity)
+    return DynamicCache(config=config)

@@ -1,0 +1,115 @@
+"""core.cache: the slab KV cache. A commit moves exactly the accepted rows (against a cache-free forward over
+the committed sequence, at several context lengths and tree shapes, through buffer growth); a crop rewinds
+a length; models with sliding-window layers keep transformers' dynamic cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from specviz.core.cache import SlabCache, SlabLayer, for_model, full_attention_only
+from specviz.core.tree import DraftTree
+
+
+def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
+    return DraftTree(torch.tensor([rng.randrange(vocab) for _ in range(n)], dtype=torch.long),
+                     torch.tensor([rng.randint(0, i) for i in range(n)], dtype=torch.long))
+
+
+def random_path(rng: random.Random, tree: DraftTree) -> list[int]:
+    node, path = rng.randint(0, len(tree)), []
+    while node:
+        path.append(node)
+        node = int(tree.parents[node - 1])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("context,capacity", [(1, 256), (9, 4), (120, 16), (230, 256)])
+def test_commits_keep_exactly_the_accepted_rows(context, capacity, tiny_target, ref_logits):
+    """Rounds of random trees and paths after ``context`` tokens, on a slab that starts at ``capacity`` rows
+    (small ones grow during the decode): every verify's logits equal a cache-free forward over the committed
+    sequence, and the cache's live rows equal those of a fresh prefill over it."""
+    rng = random.Random(context)
+    target = tiny_target(vocab_size=48, seed=context, max_positions=320)
+    cache = target.new_cache(capacity)
+    assert isinstance(cache, SlabCache)
+    seq = [rng.randrange(48) for _ in range(context)]
+    target.prefill(seq, cache)
+    for _ in range(6):
+        tree, root = random_tree(rng, rng.randint(0, 12), 48), rng.randrange(48)
+        past = cache.get_seq_length()
+        logits, _ = target.verify(root, tree, cache)
+        path = random_path(rng, tree)
+        tokens = [int(tree.tokens[i - 1]) for i in path]
+        expected = ref_logits(target.model, seq + [root] + tokens)
+        torch.testing.assert_close(logits[[0] + path], expected[len(seq):], atol=1e-4, rtol=1e-4)
+        target.commit(cache, past, [0] + path)
+        seq += [root] + tokens
+        assert cache.get_seq_length() == len(seq)
+    fresh = DynamicCache(config=target.config)
+    target.prefill(seq, fresh)
+    for slab, dense in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(slab.keys, dense.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(slab.values, dense.values, atol=1e-5, rtol=1e-5)
+    assert max(layer.capacity for layer in cache.layers) >= len(seq)
+
+
+def test_a_slab_and_a_dynamic_cache_decode_alike(tiny_target):
+    """The same verify/commit rounds on both caches give the same logits."""
+    rng = random.Random(7)
+    target = tiny_target(vocab_size=48, seed=7)
+    slab, dense = target.new_cache(8), DynamicCache(config=target.config)
+    prompt = [rng.randrange(48) for _ in range(20)]
+    target.prefill(prompt, slab), target.prefill(prompt, dense)
+    for _ in range(5):
+        tree, root = random_tree(rng, 9, 48), rng.randrange(48)
+        past = slab.get_seq_length()
+        a, _ = target.verify(root, tree, slab)
+        b, _ = target.verify(root, tree, dense)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        keep = [0] + random_path(rng, tree)
+        target.commit(slab, past, keep), target.commit(dense, past, keep)
+
+
+def test_crop_rewinds_a_length_and_keep_moves_only_the_rows_named():
+    layer = SlabLayer(capacity=4)
+    rows = torch.arange(6, dtype=torch.float).view(1, 1, 6, 1)
+    with torch.inference_mode():
+        keys, _ = layer.update(rows, rows + 100)
+    assert keys.shape[-2] == 6 and layer.capacity >= 6  # grew past its start
+    buffer = layer._keys
+    layer.crop(-2)
+    assert layer.get_seq_length() == 4 and layer.keys.flatten().tolist() == [0, 1, 2, 3]
+    assert layer._keys is buffer  # nothing reallocated or copied
+    layer.keep(1, torch.tensor([0, 2]))  # rows 1 and 3 stay, as rows 1 and 2
+    assert layer.keys.flatten().tolist() == [0, 1, 3]
+    assert layer.values.flatten().tolist() == [100, 101, 103]
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(2)
+    layer.crop(-10)
+    assert layer.get_seq_length() == 0
+
+
+def test_the_prefill_of_a_reused_cache_starts_over(tiny_target, ref_logits):
+    target = tiny_target(vocab_size=48, seed=3)
+    cache = target.new_cache(4)
+    target.prefill(list(range(30)), cache)
+    logits, _ = target.prefill([5, 6, 7], cache)
+    assert cache.get_seq_length() == 3
+    torch.testing.assert_close(logits, ref_logits(target.model, [5, 6, 7])[-1], atol=1e-4, rtol=1e-4)
+
+
+def sliding_config(**extra) -> transformers.PretrainedConfig:
+    return transformers.MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, **extra)
+
+
+def test_models_with_sliding_window_layers_keep_the_dynamic_cache():
+    assert not full_attention_only(sliding_config(sliding_window=16))
+    assert isinstance(for_model(sliding_config(sliding_window=16)), DynamicCache)
+    assert full_attention_only(sliding_config(sliding_window=None))
+    assert isinstance(for_model(sliding_config(sliding_window=None)), SlabCache)
