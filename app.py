@@ -1,8 +1,8 @@
 """specviz: watch speculative-decoding drafters race side by side (Gradio).
 
     python app.py [--target HF_ID_OR_FOLDER] [--assistant HF_ID_OR_FOLDER] [--drafters DIR] [--device cuda]
-                  [--dtype bfloat16]
-    # or SPECVIZ_TARGET / _ASSISTANT / _DRAFTERS / _DEVICE / _DTYPE; GRADIO_SERVER_NAME / GRADIO_SERVER_PORT
+                  [--dtype bfloat16] [--tune background|now|off]
+    # or SPECVIZ_TARGET / _ASSISTANT / _DRAFTERS / _DEVICE / _DTYPE / _TUNE; GRADIO_SERVER_NAME / GRADIO_SERVER_PORT
 
 The target and every drafter load once, in ``main`` (never in gr.State), into one ``AppState``; the
 modules of ``specviz.apps.web`` plan requests, draw the views and lay out the page around it.
@@ -25,9 +25,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafters", default=env("SPECVIZ_DRAFTERS"),
                    help="checkpoints trained for this target: a folder with one subfolder per method (eagle2/, ...)")
     p.add_argument("--device", default=env("SPECVIZ_DEVICE"), help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", default=env("SPECVIZ_DTYPE", "auto"),
-                   help="auto (bf16 where the hardware is fast at it, else float32), float32 (exact), bfloat16 "
-                        "or float16")
+    p.add_argument("--dtype", default=env("SPECVIZ_DTYPE", "float32"),
+                   help="float32 (the default: exact, so every lossless method shows the target's own text), auto "
+                        "(bf16 where the hardware is fast at it, else float32), bfloat16 or float16 (faster; "
+                        "lossless methods may then part from AR at near-ties)")
+    p.add_argument("--tune", default=env("SPECVIZ_TUNE", "background"), choices=("background", "now", "off"),
+                   help="each method's budget for this machine: measured while the page serves (default), "
+                        "before it serves, or not at all (untuned defaults)")
     return p.parse_known_args(argv)[0]
 
 
@@ -40,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     from specviz.core.errors import SpecvizError
 
     try:
-        state = load_state(args.target, args.dtype, args.device, args.assistant, warm_up, drafters=args.drafters)
+        state = load_state(args.target, args.dtype, args.device, args.assistant, warm_up, tune=args.tune,
+                           drafters=args.drafters)
     except SpecvizError as error:
         sys.exit(f"specviz: {error}")
     launch(build_demo(state))

@@ -41,14 +41,15 @@ def free_port() -> int:
 
 class RunningApp:
     def __init__(self, target: Path, port: int | None = None, timeout: float = 480, **env_extra: str):
-        """Start app.py and wait for its page. ``timeout`` bounds the wait, not the speed: the first start on a
-        target tunes every method's budget (the tests' cache starts empty), minutes on a loaded 2-core machine.
+        """Start app.py and wait for its page. Budgets are not tuned (``SPECVIZ_TUNE=off``: every method at its
+        untuned defaults) unless ``env_extra`` says otherwise; ``timeout`` bounds the wait, not the speed.
         The app runs on one thread, as the tests do (``conftest``): the thread count is part of the tuner's
         machine key, so apps and in-process tests on the same target folder share one tuning per test run."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         env = {**os.environ, "GRADIO_SERVER_PORT": str(self.port), "GRADIO_ANALYTICS_ENABLED": "False",
-               "SPECVIZ_TARGET": str(target), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env_extra}
+               "SPECVIZ_TARGET": str(target), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPECVIZ_TUNE": "off",
+               **env_extra}
         self.log = open(target.parent / f"app-{self.port}.log", "w")
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)

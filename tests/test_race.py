@@ -212,3 +212,29 @@ def test_step_detail_explains_what_the_target_kept_and_why_it_stopped():
     assert "the first rejected node, <code>six</code>, had draft p 0.250 and target p 0.100" in detail
     assert detail.count('class="sv-accepted"') == 1 and detail.count('class="sv-rejected"') == 2
     assert "<code>nine</code> (target p 0.700): the correction" in detail and "verify" in detail
+
+
+@pytest.mark.parametrize("parents,path,kind", [
+    ([0, 1, 0], [1, 2], "bonus"),  # a tree whose accepted path ends at a leaf (node 2)
+    ([0, 1, 0], [1], "correction"),  # node 1's only child (node 2) was rejected
+    ([0, 1, 0], [], "correction"),  # both children of the root were rejected
+    ([0, 1, 2], [1, 2, 3], "bonus"),  # a chain accepted to its end
+    ([0, 1, 2], [1], "correction"),  # a chain rejected at depth 2
+])
+def test_the_targets_token_is_a_bonus_after_a_leaf_and_a_correction_after_rejections(parents, path, kind):
+    from specviz.core.engine import StepRecord
+
+    tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor(parents), torch.log(torch.tensor([0.5, 0.25, 0.2])))
+    tokens = [int(tree.tokens[n - 1]) for n in path] + [9]
+    record = StepRecord(step=1, tree=tree, path=path, tokens=tokens, bonus=9,
+                        node_target_p=torch.tensor([0.9, 0.8, 0.05]), bonus_target_p=0.7)
+    assert record.corrected == (kind == "correction")
+    decode = {5: "five", 6: "six", 7: "seven", 9: "nine", 1: "one"}.get
+    detail = render.step_detail(record, lambda ids: "".join(decode(i) for i in ids), [1], "m")
+    assert f"<code>nine</code> (target p 0.700): the {kind}" in detail
+    other = "bonus" if kind == "correction" else "correction"
+    assert f"the {other}" not in detail
+    if kind == "bonus":
+        assert f"ends at depth {len(path)} because the draft ended there" in detail
+    spans = render.step_html(record, lambda ids: decode(ids[0]), show_rejected=True)
+    assert f"target {kind} token" in spans and f"target {other} token" not in spans

@@ -22,7 +22,7 @@ from specviz.core.errors import SettingsError, SpecvizError
 
 @pytest.fixture(scope="module")
 def state(tiny_target_dir) -> AppState:
-    return load_state(str(tiny_target_dir), warm_up=warm_up)
+    return load_state(str(tiny_target_dir), warm_up=warm_up, tune="now")  # the tuned budgets are asserted
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,37 @@ def test_defaults_and_limits_come_from_the_settings_classes(state):
     n = 2 if tuned["num_tokens"] != 2 else 3
     other = state.drafter("pld", {"num_tokens": n})
     assert other is not state.drafters["pld"] and state.drafter("pld", {"num_tokens": n}) is other
+
+
+@pytest.mark.parametrize("field", ["max_new_tokens", "temperature", "setting"])
+def test_an_integer_too_large_for_a_float_is_clamped_to_its_bound(state, field):
+    huge = 10 ** 400
+    args = dict(max_new_tokens=8, temperature=0.0, settings=None)
+    if field == "setting":
+        args["settings"] = {"pld": {"num_tokens": huge}}
+    else:
+        args[field] = huge
+    plan = plan_race(state, "Count.", ["ar", "pld"], args["max_new_tokens"], args["temperature"], 1.0,
+                     args["settings"])
+    assert any("clamped to" in n for n in plan.notes), plan.notes
+    bound = {"max_new_tokens": plan.max_new_tokens == 512, "temperature": plan.sampling.temperature == 2.0,
+             "setting": plan.drafters["pld"].settings.num_tokens == 64}
+    assert bound[field]
+
+
+@pytest.mark.parametrize("settings", [[1, 2], "fast", 7])
+def test_settings_that_are_not_a_mapping_are_ignored_with_a_note(state, settings):
+    plan = plan_race(state, "Count.", ["ar", "pld"], 8, 0.0, 1.0, settings)
+    assert any(n.startswith("settings must be a mapping") for n in plan.notes), plan.notes
+    assert plan.drafters["pld"] is state.drafters["pld"]
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenised(state, monkeypatch):
+    calls = []
+    monkeypatch.setattr(state.target.text, "encode_chat", lambda *a, **k: calls.append(1) or [1])
+    with pytest.raises(SettingsError, match="characters; this target's context"):
+        plan_race(state, "x" * (8 * state.target.max_length + 1), ["ar"], 8, 0.0, 1.0, None)
+    assert calls == []
 
 
 def test_plan_clamps_and_notes(state):
@@ -166,7 +197,7 @@ def test_a_malformed_card_makes_its_method_unavailable_not_the_app(state, tiny_c
     import json
     import shutil
 
-    folder = shutil.copytree(tiny_checkpoint(state.target, "medusa", epochs=1), tmp_path / "medusa")
+    folder = shutil.copytree(tiny_checkpoint(state.target, "medusa", epochs=1, prompts=8), tmp_path / "medusa")
     card = json.loads((folder / "card.json").read_text())
     card["history"] = "not a list"  # a hand-edited card: medusa reads its rank accuracies from here
     (folder / "card.json").write_text(json.dumps(card))
@@ -203,7 +234,8 @@ def test_presets_set_the_sliders(handlers, state):
     assert len(fastest) == len(paper) == len(specs)
     tree = [SettingSpec("eagle2", "depth", 1, 16, 2), SettingSpec("eagle2", "total_tokens", 1, 32, 8)]
     assert Handlers(state, tree).preset("paper") == [6, 32]  # EAGLE-2's 6-deep, 60-token tree, within the slider
-    assert Handlers(state, tree).preset("fastest") == [2, 8]
+    eagle2 = state.defaults("eagle2")  # "fastest" is the budget as tuned so far, within the slider
+    assert Handlers(state, tree).preset("fastest") == [min(eagle2["depth"], 16), min(eagle2["total_tokens"], 32)]
 
 
 def test_learn_tab_names_papers_not_internal_labels(state):
@@ -240,3 +272,33 @@ def test_the_page_builds_without_a_server(state):
 def test_spaces_helpers_off_a_space():
     assert space.installed("torch") and not space.installed("no-such-package-here")
     assert space.GPU(len) is len or space.GPU(len)([1]) == 1
+
+
+def test_background_tuning_runs_one_job_at_a_time_between_requests(state, monkeypatch):
+    """``tuner.start`` chains its jobs on the engine thread: a request that arrives while one runs goes next,
+    not after the whole tuning; the status line counts the jobs and ends saying the budgets are tuned."""
+    import threading
+    import time
+
+    from specviz.apps.web import tuner
+
+    order, first_started = [], threading.Event()
+
+    def job(state_, name):
+        order.append(name)
+        first_started.set()
+        time.sleep(0.05)
+
+    monkeypatch.setattr(tuner, "_tune_one", job)
+    tuner.start(state)
+    first_started.wait(10)
+    state.on_engine(lambda: order.append("request"))
+    deadline = time.time() + 60
+    while not state.tuning.finished and time.time() < deadline:
+        time.sleep(0.01)
+    assert state.tuning.finished and state.tuning.done == state.tuning.total == len(order) - 1
+    assert order.index("request") <= 1, order  # after at most the job that was running
+    assert order[0] == "verify cost" and set(order) - {"request", "verify cost"} == set(state.drafters)
+    assert "tuned for this machine" in state.tuning.line()
+    assert "untuned" in tuner.TuneProgress("off").line()
+    assert "0 of 3 done" in tuner.TuneProgress("background", total=3).line()

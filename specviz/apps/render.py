@@ -84,7 +84,7 @@ def step_html(record: StepRecord, decode, show_rejected: bool) -> str:
             if parent == last and i + 1 not in record.path:
                 out.append(_span("rej", decode([int(tree.tokens[i])]), node_title(i, "rejected draft")))
     if len(record.tokens) > len(record.path):  # the bonus (it may be cut at the length limit)
-        kind = "correction" if len(tree) > len(record.path) else "bonus"
+        kind = "correction" if record.corrected else "bonus"
         title = (f"step {record.step} · depth {len(record.path) + 1} · target {kind} token · "
                  f"target p {_p(record.bonus_target_p)}")
         out.append(_span("bonus", decode([record.tokens[-1]]), title))
@@ -131,8 +131,9 @@ def step_detail(record: StepRecord, decode, before: list[int], label: str = "", 
             parts.append(f"<p>It stopped at depth {len(path) + 1}: the first rejected node, "
                          f"<code>{html.escape(tok[i - 1])}</code>, had draft p {_p(draft_p[i - 1])} and target p "
                          f"{_p(node_p(record, i - 1))} ({rule}).</p>")
-        else:
-            parts.append(f"<p>It stopped at depth {len(path) + 1} because the draft ended there.</p>")
+        elif path:
+            parts.append(f"<p>The accepted path ends at depth {len(path)} because the draft ended there: node "
+                         f"{path[-1]} has no children.</p>")
         rows = "".join(
             f'<tr class="sv-{o.split()[0]}"><td>{i}</td><td>{depths[i - 1]}</td><td>{parents[i - 1]}</td>'
             f"<td><code>{html.escape(tok[i - 1])}</code></td><td>{_p(draft_p[i - 1])}</td>"
@@ -141,7 +142,8 @@ def step_detail(record: StepRecord, decode, before: list[int], label: str = "", 
         parts.append('<table class="sv-nodes"><tr><th>node</th><th>depth</th><th>parent</th><th>token</th>'
                      f"<th>draft p</th><th>target p</th><th></th></tr>{rows}</table>")
     if len(record.tokens) > len(path):
-        kind = "correction (it replaces a rejected draft)" if len(tree) > len(path) else "bonus"
+        kind = ("correction (it replaces the rejected drafts)" if record.corrected
+                else "bonus (the draft ended, and the same forward gives one more token)")
         parts.append(f"<p>Then the target added its own token <code>{html.escape(decode([record.tokens[-1]]))}"
                      f"</code> (target p {_p(record.bonus_target_p)}): the {kind}.</p>")
     if "ngram" in info:

@@ -42,6 +42,15 @@ class StepRecord:
     def accepted(self) -> int:
         return len(self.path)
 
+    @property
+    def corrected(self) -> bool:
+        """Whether the target's own token replaces rejected drafts (a *correction*): the last accepted node, or
+        the root when nothing was accepted, has children in the tree, and the accept rule rejected them all.
+        Otherwise the draft ended at that node (a leaf, or no draft at all) and the token is a *bonus*: one
+        more token the same forward pays for."""
+        last = self.path[-1] if self.path else 0
+        return bool(len(self.tree)) and bool((self.tree.parents == last).any())
+
 
 @dataclass
 class Verified:

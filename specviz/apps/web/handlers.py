@@ -95,14 +95,16 @@ class Handlers:
         result = {"notes": plan.notes, "methods": {}}
         for label, lane in lanes.items():
             tokens = [{"token": t, "text": target.text.decode([t]), "step": r.step,
-                       "origin": "accepted draft" if i < r.accepted else "target"}
+                       "origin": "accepted draft" if i < r.accepted else "correction" if r.corrected else "bonus"}
                       for r in lane.records for i, t in enumerate(r.tokens)]
             same = None
             if "ar" in lanes and plan.sampling.greedy:
                 same = identical(lane.output_ids, lanes["ar"].output_ids)
             result["methods"][label] = {"text": target.text.decode(lane.output_ids), "tokens": tokens,
                                         "error": lane.error, "identical_to_ar": same,
+                                        "budget": _budget(plan, label),
                                         "metrics": summarize(lane.records, lane.clock).as_dict()}
+        result["tuning"] = self.state.tuning.line()
         return result
 
     def benchmark(self, question_set: str, subset: str, count: int, methods: list[str], max_new_tokens: int,
@@ -166,10 +168,11 @@ class Handlers:
             raise gr.Error(str(e)) from None
 
     def preset(self, preset: str) -> list[int]:
-        """The settings sliders at a preset: "fastest" (the budgets tuned for this machine) or "paper"."""
+        """The settings sliders at a preset: "fastest" (the budgets tuned for this machine, as far as tuning has
+        got) or "paper"."""
         values = []
         for spec in self.specs:
-            value = spec.default
+            value = self.state.defaults(spec.method).get(spec.name, spec.default)
             if preset == "paper":
                 value = METHODS[spec.method][1].PAPER.get(spec.name, value)
             values.append(min(max(int(value), spec.low), spec.high))
@@ -177,3 +180,8 @@ class Handlers:
 
     def step_view(self, runs: dict, method: str, step: int):
         return views.step_view(runs, method, step, self.state.target.text.decode)
+
+
+def _budget(plan, label: str) -> str:
+    """Where a method's budget came from: this machine's tuning, its untuned defaults, or the request (or none)."""
+    return "untuned" if label in plan.untuned else "tuned" if label in plan.expected else "as given"

@@ -8,6 +8,7 @@ import gradio as gr
 
 from drafters import METHODS
 from specviz.core.errors import SpecvizError
+from specviz.core.load import EMBEDDED
 
 from .. import render
 from ..questions import load_questions
@@ -45,8 +46,21 @@ def build_demo(state: AppState) -> gr.Blocks:
     picked = [m for m in DEFAULT_METHODS if m in state.drafters]
     private = dict(api_visibility="private")
     with gr.Blocks(title="specviz") as demo:
-        gr.Markdown(f"# specviz: speculative decoding, side by side\nTarget **{target.name}** on {target.device}, "
+        dtype = str(target.dtype).replace("torch.", "")
+        precision = ("exact: every lossless method gives the target's own text" if dtype == "float32" else
+                     "fast: a lossless method may part from AR where the target's top two tokens nearly tie")
+        name = "SmolLM2-135M-Instruct (embedded)" if target.name == EMBEDDED else target.name
+        gr.Markdown(f"# specviz: speculative decoding, side by side\nTarget **{name}** "
+                    f"({target.num_parameters / 1e6:.0f}M parameters) on {target.device} in {dtype} ({precision}), "
                     f"loaded with {len(state.drafters)} methods in {state.cold_start_s:.1f} s. " + render.LEGEND)
+        tuning_line = gr.Markdown(state.tuning.line(), elem_id="tuning")
+        timer = gr.Timer(2, active=not state.tuning.finished)  # stops itself once tuning has ended
+
+        def status():
+            return state.tuning.line(), gr.Timer(active=not state.tuning.finished)
+
+        timer.tick(status, None, [tuning_line, timer], queue=False, **private)
+        demo.load(status, None, [tuning_line, timer], queue=False, **private)
         if state.unavailable:
             with gr.Accordion(f"Unavailable here: {', '.join(state.unavailable)}", open=False):
                 gr.Markdown("\n".join(f"- **{k}**: {v}" for k, v in state.unavailable.items()), elem_id="unavailable")

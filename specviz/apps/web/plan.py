@@ -16,6 +16,7 @@ from .state import AppState
 MAX_NEW_TOKENS = 512
 MAX_METHODS = 16  # every method, with room for more
 SLIDER_MAX = 64  # the highest value a settings slider offers
+CHARS_PER_TOKEN = 8  # a prompt longer than this many characters per context token cannot fit (English is ~4)
 
 
 def clamp(label: str, value, low, high, default, notes: list[str], cast=int):
@@ -24,6 +25,8 @@ def clamp(label: str, value, low, high, default, notes: list[str], cast=int):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:  # NaN != NaN
         notes.append(f"{label}: {str(value)[:40]!r} is not a number; used {default}")
         return default
+    if isinstance(value, int) and not -1e300 < value < 1e300:  # an integer too large for a float: its bound
+        value = math.inf if value > 0 else -math.inf
     number = cast(value) if math.isfinite(value) else value  # ±inf is clamped to a bound
     kept = cast(min(max(number, low), high))
     if kept != number:
@@ -39,6 +42,7 @@ class Plan:
     max_new_tokens: int
     notes: list[str]
     expected: dict[str, float] = field(default_factory=dict)  # expected speedup, for methods at their tuned budget
+    untuned: set[str] = field(default_factory=set)  # methods at defaults whose budget is not yet tuned here
 
 
 def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature, top_p,
@@ -47,6 +51,12 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
     notes: list[str] = []
     if not isinstance(prompt, str) or not prompt.strip():
         raise SettingsError("The prompt is empty: type a question or pick an example.")
+    if len(prompt) > (limit := CHARS_PER_TOKEN * state.target.max_length):  # before tokenising it: that is the cost
+        raise SettingsError(f"The prompt has {len(prompt):,} characters; this target's context of "
+                            f"{state.target.max_length:,} tokens takes at most {limit:,}.")
+    if settings is not None and not isinstance(settings, dict):
+        notes.append(f"settings must be a mapping of method to its settings; ignored {str(settings)[:40]!r}")
+        settings = None
     if isinstance(methods, str):
         methods = [methods]
     if not isinstance(methods, (list, tuple)) or not all(isinstance(m, str) for m in methods):
@@ -94,11 +104,12 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
         raise SettingsError("; ".join(notes))
     expected = {m: state.tuned[m].expected_speedup for m in chosen
                 if m in state.tuned and state.tuned[m].settings and chosen[m] is state.drafters.get(m)}
+    untuned = {m for m in chosen if state.untuned(m) and chosen[m] is state.drafters.get(m)}
     sampling = Sampling(temperature=temperature, top_p=top_p, rule=rule, seed=0)  # greedy rule + T > 0: refused
     if not sampling.lossless:
         notes.append(f"the {sampling.resolved_rule} acceptance rule is lossy: outputs need not follow the target's "
                      "distribution")
-    return Plan(ids, chosen, sampling, max_new_tokens, notes, expected)
+    return Plan(ids, chosen, sampling, max_new_tokens, notes, expected, untuned)
 
 
 @dataclass

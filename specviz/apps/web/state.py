@@ -7,7 +7,6 @@ OpenMP team), so the engine is a single-thread executor.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,13 +20,11 @@ from specviz.core.load import load_target
 from specviz.core.protocol import Drafter
 from specviz.core.target import TargetModel, VerifyPadding
 
-from ..tuning import Tuned, machine_costs, tune
+from ..tuning import Tuned
+from . import tuner
+from .tuner import TuneProgress
 
 MAX_BUILT = 32  # drafters kept at non-default settings (each setting is another network or tree: memory)
-
-
-def log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -42,6 +39,7 @@ class AppState:
     tuned: dict[str, Tuned] = field(default_factory=dict)  # each method's budget for this machine
     padding: VerifyPadding | None = None  # the verify sizes this machine pads (measured with the budgets)
     cold_start_s: float = 0.0
+    tuning: TuneProgress = field(default_factory=TuneProgress)  # the budgets' progress (``tuner``)
 
     def on_engine(self, fn, *args, **kwargs):
         return self.engine.submit(fn, *args, **kwargs).result()
@@ -64,21 +62,9 @@ class AppState:
     def limits(self, name: str) -> dict[str, tuple]:
         return METHODS[name][1].limits(self.target)
 
-    def tune_budgets(self) -> None:
-        """Each method's budget for this machine (cached on disk after the first start, which says so)."""
-        start = time.perf_counter()
-        self.padding = machine_costs(self.target).padding
-        if (took := time.perf_counter() - start) > 1:
-            log(f"specviz: first start on this machine: measured the verify cost in {took:.0f} s; now each "
-                "method's draft budget (about 10 s each, cached after this)")
-        for name in METHODS:
-            try:
-                tuned = self.tuned[name] = tune(self.target, name, self.configured.get(name, {}))
-            except Exception:  # noqa: BLE001 - load_drafters records why it cannot run
-                continue
-            if tuned.seconds:
-                log(f"specviz: {name}: {tuned.settings or 'no budget'}, expected {tuned.expected_speedup:.2f}x AR "
-                    f"(tuned in {tuned.seconds:.1f} s)")
+    def untuned(self, name: str) -> bool:
+        """Whether ``name`` runs at its untuned defaults (tuning is off, still running, or failed for it)."""
+        return name != "ar" and name not in self.tuned
 
     def load_drafters(self) -> None:
         """Every method at its defaults; a method that cannot be built is listed with its reason."""
@@ -106,11 +92,14 @@ class AppState:
 
 
 def load_state(target: str | None = None, dtype: str = "auto", device: str | None = None,
-               assistant: str | None = None, warm_up=None, tune_budgets: bool = True,
+               assistant: str | None = None, warm_up=None, tune: str = "background",
                drafters: str | None = None) -> AppState:
-    """Load the target, tune each method's budget (``tuning``) and load every drafter on the engine
-    thread, then run ``warm_up(state)`` there. ``drafters``: a folder with a checkpoint subfolder per
-    trained method, used instead of the shipped ones (drafters trained for another target)."""
+    """Load the target and every drafter on the engine thread and run ``warm_up(state)`` there; then tune
+    each method's budget (``tuning``) as ``tune`` says (``tuner.MODES``): "background" returns at once and
+    tunes between requests, "now" before returning, "off" never. ``drafters``: a folder with a checkpoint
+    subfolder per trained method, used instead of the shipped ones (drafters trained for another target)."""
+    if tune not in tuner.MODES:
+        raise SpecvizError(f"tune must be one of {', '.join(tuner.MODES)}, got {tune!r}")
     start = time.perf_counter()
     engine = ThreadPoolExecutor(1, thread_name_prefix="engine")
     model = engine.submit(load_target, target, dtype, device).result()
@@ -123,10 +112,12 @@ def load_state(target: str | None = None, dtype: str = "auto", device: str | Non
             if cls.trained and (folder / name).is_dir():
                 configured[name] = {"checkpoint": str(folder / name)}
     state = AppState(model, configured=configured, engine=engine)
-    if tune_budgets:
-        state.on_engine(state.tune_budgets)
     state.on_engine(state.load_drafters)
     if warm_up is not None:
         state.on_engine(warm_up, state)
+    if tune == "now":
+        tuner.tune_now(state)
     state.cold_start_s = time.perf_counter() - start
+    if tune == "background":
+        tuner.start(state)
     return state

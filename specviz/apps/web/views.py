@@ -59,6 +59,8 @@ class RaceView:
             bits.append(f"{speedup(m.new_tokens, clock, len(ar.output_ids), ar.clock):.2f}× AR"
                         + ("" if expected is None else f" (expected {expected:.2f}×)"))
         done = lane is not None and lane.finished
+        if label in self.plan.untuned:
+            bits.append('<span title="this machine\'s budget for it is not measured yet">untuned budget</span>')
         head = (f'<div class="sv-head" data-done="{int(done)}"><b>{label}</b> · {" · ".join(bits)}'
                 f'{self.badge(lane, ar)}{" · done" if done else ""}</div>')
         error = f'<p class="sv-error">stopped: {render.escape(lane.error)}</p>' if lane and lane.error else ""
