@@ -1,4 +1,5 @@
-"""The target's verify-cost curve: ms of one forward against the number of tokens it verifies."""
+"""The target's verify-cost curve: ms of one forward against the number of tokens it verifies, beside this
+machine's floor for each (``floor``)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,18 @@ from specviz.core.target import TargetModel
 from specviz.core.timing import now
 from specviz.core.tree import DraftTree
 
+from .floor import forward_cost, measure_rates
 from .machine import machine_description
 
 
 def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 7,
-            tree: bool = False) -> dict:
+            tree: bool = False, floor: bool = False) -> dict:
     """Mean ms of one target forward verifying n tokens after ``context`` cached tokens: a chain (plain
     causal attention), or with ``tree`` a tree (every node a child of the root: the 4D-mask path trees take).
 
     The sizes take turns within each round (in a rotated order), so a slow spell of the machine lands on
-    every size rather than on all repeats of one; the mean, not the median, is what a decode pays."""
+    every size rather than on all repeats of one; the mean, not the median, is what a decode pays. With ``floor``
+    each row also gets the machine's floor for that forward (``floor.ForwardCost``) and the ratio to it."""
     if context < 1 or context + max(sizes) > target.max_length:
         raise SettingsError(f"context must be in [1, {target.max_length - max(sizes)}], got {context}")
     gen = torch.Generator().manual_seed(0)
@@ -50,15 +53,30 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
     base = rows[0]["ms"]
     for r in rows:
         r["relative_to_1"] = r["ms"] / base
-    return {"target": target.name, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
-            "context": context, "shape": "tree" if tree else "chain", "machine": machine_description(),
-            "date": time.strftime("%Y-%m-%d"), "curve": rows}
+    result = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
+              "context": context, "shape": "tree" if tree else "chain", "machine": machine_description(),
+              "date": time.strftime("%Y-%m-%d"), "curve": rows}
+    if floor:
+        rates = measure_rates(str(target.device), target.dtype)
+        result["rates"] = dict(rates.__dict__)
+        for r in rows:
+            r["floor_ms"] = forward_cost(target, r["tokens"], context).floor_ms(rates)
+            r["x_floor"] = r["ms"] / r["floor_ms"]
+    return result
 
 
 def curve_text(result: dict) -> str:
     """``profile``'s result as the terminal shows it: ms per size, and as a multiple of one token."""
     lines = [f"verify cost of a {result['shape']} on {result['machine']} ({result['dtype']}, "
              f"{result['context']} cached tokens):"]
-    lines += [f"  {row['tokens']:3d} tokens: {row['ms']:7.1f} ms  ({row['relative_to_1']:.2f}x one token)"
-              for row in result["curve"]]
+    for row in result["curve"]:
+        line = f"  {row['tokens']:3d} tokens: {row['ms']:7.1f} ms  ({row['relative_to_1']:.2f}x one token)"
+        if "floor_ms" in row:
+            line += f"   floor {row['floor_ms']:6.2f} ms, {row['x_floor']:5.2f}x the floor"
+        lines.append(line)
+    if "rates" in result:
+        rates = result["rates"]
+        lines.append(f"floor: weights and cache read at {rates['read_gb_s']:.1f} GB/s, matrix work at "
+                     f"{rates['matmul_gflop_s']:.0f} GFLOP/s ({rates['dtype']}, {rates['threads']} threads, measured "
+                     "here); the rest of a forward (norms, rotary, softmax, Python, launches) is the engine's")
     return "\n".join(lines)
