@@ -124,7 +124,11 @@ def step_detail(record: StepRecord, decode, before: list[int], label: str = "", 
         accepted = " ".join(f"<code>{html.escape(tok[n - 1])}</code>" for n in path) or "nothing"
         parts.append(f"<p>Drafted <b>{len(tree)}</b> node(s) up to depth {tree.max_depth}; the target accepted "
                      f"<b>{len(path)}</b>: {accepted}.</p>")
-        if stop:
+        if stop and record.decisions:
+            parts.append(f"<p>It stopped at depth {len(path) + 1}: every child of the last accepted node was "
+                         "rejected. How the rule decided, node by node, with the numbers as it saw them:</p>"
+                         + decisions_table(record, tok, greedy))
+        elif stop:
             i = stop[0]
             rule = ("greedy: the target keeps a draft only if it is its own top token"
                     if greedy else "rejection sampling: kept with probability min(1, target p / draft p)")
@@ -334,3 +338,26 @@ def _beam_traces(beams, beam_nodes, accepted: set[int], decode) -> list[go.Scatt
             go.Scatter(x=xs, y=ys, mode="markers+text", text=text, textposition="top center", showlegend=False,
                        marker=dict(color=colour, size=9), hovertext=[f"beam {y} · depth {x}" for x, y in zip(xs, ys)],
                        hoverinfo="text")]
+
+
+def decisions_table(record: StepRecord, tok: list[str], greedy: bool) -> str:
+    """The accept rule's decisions (``verify.Decision``) as a table a teacher can redo by hand. Greedy keeps a
+    node iff its token is the target's top token; rejection sampling keeps it iff draw × draft p < target p,
+    with target p the residual after the siblings rejected before it and draft p renormalised without them."""
+    if greedy:
+        head = "<th>node</th><th>token</th><th>the target's top token?</th><th></th>"
+        rows = [f"<td>{d.node}</td><td><code>{html.escape(tok[d.node - 1])}</code></td>"
+                f"<td>{'yes' if d.accepted else 'no'}</td><td>{'kept' if d.accepted else 'rejected'}</td>"
+                for d in record.decisions]
+    else:
+        head = ("<th>node</th><th>token</th><th>target p (residual)</th><th>draft p</th><th>draw u</th>"
+                "<th>u × draft p &lt; target p?</th>")
+        rows = [f"<td>{d.node}</td><td><code>{html.escape(tok[d.node - 1])}</code></td><td>{_p(d.target_p)}</td>"
+                f"<td>{_p(d.draft_p)}</td><td>{_p(d.draw)}</td>"
+                + (f"<td>{d.draw * d.draft_p:.3f} {'&lt;' if d.accepted else '≥'} {d.target_p:.3f}: "
+                   f"{'kept' if d.accepted else 'rejected'}</td>" if d.draw is not None else
+                   "<td>draft p 0: rejected without a draw</td>")
+                for d in record.decisions]
+    body = "".join(f'<tr class="sv-{"accepted" if d.accepted else "rejected"}">{row}</tr>'
+                   for d, row in zip(record.decisions, rows))
+    return f'<table class="sv-nodes sv-decisions"><tr>{head}</tr>{body}</table>'

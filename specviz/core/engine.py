@@ -21,7 +21,7 @@ from .protocol import Commit, Drafter, DraftRequest
 from .target import TargetModel, VerifyPadding
 from .timing import PhaseTimer, Timings
 from .tree import DraftTree
-from .verify import Sampling, accept, probabilities
+from .verify import Decision, Sampling, accept, probabilities
 
 
 @dataclass(kw_only=True)
@@ -33,6 +33,7 @@ class StepRecord:
     bonus: int
     timings: Timings = field(default_factory=Timings)
     finished: str | None = None  # "eos" | "length" on the last step
+    decisions: list[Decision] = field(default_factory=list)  # each node the accept rule examined, as it saw it
     # display extras, empty unless an observer filled them
     margins: list[float] = field(default_factory=list)  # per emitted token: the target's top-1 minus top-2 logit
     node_target_p: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [N] target p of each node
@@ -170,7 +171,7 @@ def generate(
             sequence += new
             produced += len(new)
         record = StepRecord(step=step, tree=tree, path=result.path, tokens=new, bonus=result.bonus,
-                            timings=timer.timings, finished=finished)
+                            timings=timer.timings, finished=finished, decisions=result.decisions)
         if observers:
             seen = Verified(record, logits, keep, sampling)
             for observe in observers:

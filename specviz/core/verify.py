@@ -13,7 +13,7 @@ seed gives the same draws whatever device the target runs on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -75,10 +75,26 @@ def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return probs
 
 
+@dataclass(frozen=True)
+class Decision:
+    """One draft node the rule examined, with the numbers as the rule saw them, so the decision can be redone by
+    hand. Greedy: kept iff its token is the target's top token there (``target_p`` is then 1, else 0).
+    Rejection: kept iff ``draw * draft_p < target_p``, where ``target_p`` is the residual after the siblings
+    rejected before it (renormalised) and ``draft_p`` the draft's probability renormalised without them (1 for
+    fixed children, which are not draws); ``draw`` is None where no draw was made (``draft_p`` 0)."""
+
+    node: int  # verify-input index of the draft node
+    target_p: float
+    draft_p: float
+    draw: float | None
+    accepted: bool
+
+
 @dataclass
 class Acceptance:
     path: list[int]  # accepted input indices (root excluded), in depth order
     bonus: int  # token the target adds after the path
+    decisions: list[Decision] = field(default_factory=list, compare=False)  # each node examined (not typical)
 
 
 def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None = None) -> Acceptance:
@@ -94,11 +110,17 @@ def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Genera
 def _greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
     best = logits.argmax(-1).tolist()
     tokens, kids = tree.tokens.tolist(), tree.children()
-    node, path = 0, []
+    node, path, decisions = 0, [], []
     while True:
-        nxt = next((c for c in kids[node] if tokens[c - 1] == best[node]), None)
+        nxt = None
+        for child in kids[node]:  # in order, up to the one that is the target's top token
+            hit = tokens[child - 1] == best[node]
+            decisions.append(Decision(child, float(hit), 1.0, None, hit))
+            if hit:
+                nxt = child
+                break
         if nxt is None:
-            return Acceptance(path, best[node])
+            return Acceptance(path, best[node], decisions)
         path.append(nxt)
         node = nxt
 
@@ -109,7 +131,7 @@ def _sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
 
 def _rejection(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> Acceptance:
     tokens, kids = tree.tokens.tolist(), tree.children()
-    node, path = 0, []
+    node, path, decisions = 0, [], []
     while True:
         p = probabilities(logits[node], s).cpu()
         q = None if tree.child_dists is None else tree.child_dists[node].float().cpu().clone()
@@ -117,7 +139,10 @@ def _rejection(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Ge
         for child in kids[node]:
             x = tokens[child - 1]
             qx = 1.0 if q is None else float(q[x])
-            if qx > 0 and float(torch.rand((), generator=gen)) * qx < float(p[x]):
+            draw = float(torch.rand((), generator=gen)) if qx > 0 else None  # no draw for a token q cannot give
+            kept = draw is not None and draw * qx < float(p[x])
+            decisions.append(Decision(child, float(p[x]), qx, draw, kept))
+            if kept:
                 chosen = child
                 break
             # Rejected: the target keeps the mass the draft did not cover; the draft drops x.
@@ -133,7 +158,7 @@ def _rejection(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Ge
                 break
             p = p / total
         if chosen is None:
-            return Acceptance(path, _sample(p, gen))
+            return Acceptance(path, _sample(p, gen), decisions)
         path.append(chosen)
         node = chosen
 
