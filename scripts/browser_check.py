@@ -198,9 +198,17 @@ def main() -> None:
         done = " && ".join(f"document.querySelector('#col-{m} .sv-head[data-done=\"1\"]')" for m in methods)
         page.evaluate(CLOCK, [columns, done])
         cpu_before = chromium_cpu_s() if args.cpu else 0.0
+        page.set_viewport_size({"width": 1500, "height": 700})  # a laptop's fold: the columns start below it
+        page.evaluate("window.scrollTo(0, 0)")
+        columns_top = "document.querySelector('#race-columns').getBoundingClientRect().top"
+        below_fold = page.evaluate(f"{columns_top} > window.innerHeight / 2")
         page.locator("#run").click()
+        page.wait_for_function("document.querySelector('#run').disabled", polling=50, timeout=timeout)
+        page.wait_for_function(f"{columns_top} >= -1 && {columns_top} < window.innerHeight / 2", timeout=timeout)
         # polled every 100 ms, not every frame: that keeps the page drawing
         page.wait_for_function("window.svClock.done", polling=100, timeout=timeout)
+        page.wait_for_function("!document.querySelector('#run').disabled", polling=100, timeout=timeout)
+        page.set_viewport_size({"width": 1500, "height": 1900})
         cpu_s = chromium_cpu_s() - cpu_before if args.cpu else None
         clock = page.evaluate("window.svClock")
         first_token_s, done_s = (clock["first"] - clock["click"]) / 1000, (clock["done"] - clock["click"]) / 1000
@@ -224,6 +232,7 @@ def main() -> None:
                       for pid in ("plot-alpha", "plot-length", "plot-latency", "plot-tree")},
             "plot_titles": [t.text_content() for t in page.locator(".js-plotly-plot .gtitle").all()],
             "message": page.locator("#message").inner_text(),
+            "columns_were_below_the_fold": below_fold,  # then Run scrolled them up (waited for above)
         }
         seen["steps"] = {}
         for m in [m for m in args.step_through.split(",") if m]:

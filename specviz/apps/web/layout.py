@@ -29,6 +29,7 @@ document.addEventListener('keydown', (e) => {
   if (id) document.getElementById(id)?.click();
 });
 </script>"""
+SCROLL_JS = "() => { document.getElementById('race-columns')?.scrollIntoView({behavior: 'smooth', block: 'start'}); }"
 QUEUE_SIZE = int(os.environ.get("SPECVIZ_QUEUE_SIZE", 16))  # waiting requests beyond this are turned away
 
 
@@ -113,10 +114,14 @@ def build_demo(state: AppState) -> gr.Blocks:
                 tree_plot = gr.Plot(label="draft tree", elem_id="plot-tree", scale=1)
                 with gr.Column(scale=1):  # wide enough for the node table
                     step_info = gr.HTML(elem_id="step-info", elem_classes="sv-column")
-            run_btn.click(GPU(handlers.race), [prompt, methods, max_new, temperature, top_p, show_rejected, rule,
-                                               *setting_inputs],
-                          [*columns, alpha_plot, length_plot, latency_plot, message, runs], api_name="race",
-                          concurrency_id="engine", show_progress="hidden")
+            # Run is disabled while its race runs, and the page scrolls to the columns (below the fold on a laptop)
+            started = run_btn.click(lambda: gr.Button(interactive=False), None, run_btn, queue=False, js=SCROLL_JS,
+                                    **private)
+            started.then(GPU(handlers.race), [prompt, methods, max_new, temperature, top_p, show_rejected, rule,
+                                              *setting_inputs],
+                         [*columns, alpha_plot, length_plot, latency_plot, message, runs], api_name="race",
+                         concurrency_id="engine", show_progress="hidden").then(
+                lambda: gr.Button(interactive=True), None, run_btn, queue=False, **private)
             stop_btn.click(handlers.stop, None, None, api_name="stop", concurrency_limit=None)
             tree_inputs, tree_outputs = [runs, tree_method, tree_step], [tree_plot, step_info]
             runs.change(views.tree_choices, runs, [tree_method, tree_step], **private).then(
