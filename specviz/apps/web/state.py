@@ -22,9 +22,8 @@ from specviz.core.target import TargetModel, VerifyPadding
 
 from ..tuning import Tuned
 from . import tuner
+from .built import BuiltDrafters, own_bytes
 from .tuner import TuneProgress
-
-MAX_BUILT = 32  # drafters kept at non-default settings (each setting is another network or tree: memory)
 
 
 @dataclass
@@ -35,7 +34,7 @@ class AppState:
     configured: dict[str, dict] = field(default_factory=dict)  # per-method settings given at start
     engine: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="engine"))
     stops: dict[str, threading.Event] = field(default_factory=dict)  # each session's running race
-    built: dict[tuple, Drafter] = field(default_factory=dict)
+    built: BuiltDrafters = field(default_factory=BuiltDrafters)  # at non-default settings, bounded in bytes
     tuned: dict[str, Tuned] = field(default_factory=dict)  # each method's budget for this machine
     padding: VerifyPadding | None = None  # the verify sizes this machine pads (measured with the budgets)
     cold_start_s: float = 0.0
@@ -84,11 +83,12 @@ class AppState:
         if full == self.defaults(name):
             return self.drafters[name]
         key = (name, tuple(sorted(full.items())))
-        if key not in self.built:
-            if len(self.built) >= MAX_BUILT:
-                self.built.clear()
-            self.built[key] = self.on_engine(build_drafter, name, self.target, **full)
-        return self.built[key]
+        drafter = self.built.get(key)
+        if drafter is None:
+            drafter = self.on_engine(build_drafter, name, self.target, **full)
+            shared = {p.untyped_storage().data_ptr() for p in self.target.model.parameters()}
+            self.built.put(key, drafter, own_bytes(drafter, shared))
+        return drafter
 
 
 def load_state(target: str | None = None, dtype: str = "auto", device: str | None = None,
