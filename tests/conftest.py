@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -15,6 +16,7 @@ if str(ROOT) not in sys.path:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from filelock import FileLock  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from specviz.core.load import cache_dir  # noqa: E402
@@ -25,14 +27,29 @@ from specviz.core.target import TargetModel  # noqa: E402
 torch.set_num_threads(1)
 
 
+def run_folder(tmp_path_factory, name: str) -> Path:
+    """A folder for the whole test run: shared by pytest-xdist's workers (their base folders have one parent),
+    so what one worker builds the others reuse. Build into it under ``run_lock``."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def run_lock(folder: Path) -> FileLock:
+    """One worker at a time builds ``folder``'s contents; the others wait, then find them built."""
+    return FileLock(str(folder) + ".lock")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory):
     """The tests' budgets, features and runs go to a cache of their own, not the user's; only the embedded
     model's one-time conversion is shared (linked when the user's cache has it). The session's tiny
-    checkpoints are trained into it too (``session_checkpoint``)."""
-    user, root = cache_dir(), tmp_path_factory.mktemp("specviz-cache")
-    if (user / "smollm2-135m-instruct" / "config.json").exists():
-        (root / "smollm2-135m-instruct").symlink_to(user / "smollm2-135m-instruct")
+    checkpoints are trained into it too (``session_checkpoint``). One per test run, shared by its workers."""
+    user, root = cache_dir(), run_folder(tmp_path_factory, "specviz-cache")
+    with run_lock(root):
+        if (user / "smollm2-135m-instruct" / "config.json").exists() and not (root / "smollm2-135m-instruct").exists():
+            (root / "smollm2-135m-instruct").symlink_to(user / "smollm2-135m-instruct")
     _TRAINED["root"] = root / "tiny-checkpoints"
     patch = pytest.MonkeyPatch()
     patch.setenv("SPECVIZ_CACHE", str(root))
@@ -46,7 +63,9 @@ def tiny_target_dir(tmp_path_factory) -> Path:
     part of the tuner's cache key, so every app started on it after the first reads its budgets from the cache."""
     from app_harness import tiny_target_folder
 
-    return tiny_target_folder(tmp_path_factory.mktemp("tiny-app-target") / "target")
+    folder = run_folder(tmp_path_factory, "tiny-app-target")
+    with run_lock(folder):
+        return tiny_target_folder(folder / "target")
 
 
 def make_llama(vocab_size: int = 32, seed: int = 0, num_layers: int = 2, std: float = 0.2,
@@ -138,9 +157,11 @@ def chi2_pvalue(counts: dict, expected: dict) -> float:
     return float(stats.chisquare(obs, exp).pvalue)
 
 
-def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: int = 3, seed: int = 0) -> Path:
-    """Train ``method`` for ``target`` through the real pipeline on its own greedy continuations
-    of random prompts (a few seconds), save the checkpoint in ``folder`` and return it."""
+def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: int = 3, seed: int = 0,
+                       prompts: int = 60) -> Path:
+    """Train ``method`` for ``target`` through the real pipeline on its own greedy continuations of ``prompts``
+    random prompts (a few seconds), save the checkpoint in ``folder`` and return it. A test that only needs a
+    checkpoint that loads and decodes (not one that drafts well) asks for few prompts."""
     from accelerate.state import AcceleratorState
 
     from drafters import METHODS
@@ -152,7 +173,7 @@ def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: i
     vocab = target.vocab_size
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (int(torch.randint(3, 10, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(60)]
+               for _ in range(prompts)]
     answers = self_distill(target, prompts, 24, 16)
     data = extract_features(target, [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers)])
     cfg = TrainConfig(epochs=epochs, batch_tokens=256, lr=3e-3, draft_vocab=max(2, vocab * 3 // 4), seed=seed,
@@ -163,7 +184,7 @@ def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: i
     return folder
 
 
-_TRAINED: dict = {}  # "root": the session's folder for them; (target's fingerprint, method, epochs, seed) -> folder
+_TRAINED: dict = {}  # "root": the session's folder; (target's fingerprint, method, epochs, seed, prompts) -> folder
 
 
 def target_fingerprint(target: TargetModel) -> str:
@@ -176,18 +197,25 @@ def target_fingerprint(target: TargetModel) -> str:
     return digest.hexdigest()
 
 
-def session_checkpoint(target: TargetModel, method: str, epochs: int = 3, seed: int = 0) -> Path:
+def session_checkpoint(target: TargetModel, method: str, epochs: int = 3, seed: int = 0, prompts: int = 60) -> Path:
     """``train_tiny_drafter``'s checkpoint for ``target``, trained once per test run and shared by every module
     that asks for the same (target weights, method, epochs, seed). Read-only: copy it before editing it."""
-    key = (target_fingerprint(target), method, epochs, seed)
+    key = (target_fingerprint(target), method, epochs, seed, prompts)
     if key not in _TRAINED:
         root = _TRAINED.get("root") or Path(tempfile.mkdtemp(prefix="specviz-checkpoints-"))
-        _TRAINED[key] = train_tiny_drafter(target, method, root / f"{method}-{epochs}-{seed}-{key[0][:12]}",
-                                           epochs, seed)
+        folder = root / f"{method}-{epochs}-{seed}-{prompts}-{key[0][:12]}"
+        done = folder.with_suffix(".done")
+        root.mkdir(parents=True, exist_ok=True)
+        with run_lock(folder):  # another worker may be training the same one (the training is deterministic)
+            if not done.exists():
+                train_tiny_drafter(target, method, folder, epochs, seed, prompts)
+                done.touch()
+        _TRAINED[key] = folder
     return _TRAINED[key]
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint():
-    """Factory: ``tiny_checkpoint(target, method, epochs=3, seed=0)``, the session's shared checkpoint folder."""
+    """Factory: ``tiny_checkpoint(target, method, epochs=3, seed=0, prompts=60)``, the session's shared
+    checkpoint folder."""
     return session_checkpoint

@@ -40,6 +40,9 @@ def test_page_runs_two_methods_and_renders_tokens_and_plots(tiny_target_dir):
     assert "40 tokens" in seen["heads"]["pld"] and "identical to AR" in seen["heads"]["pld"]
     assert any("α_k" in t for t in seen["plot_titles"])
     assert (ARTIFACTS / "app.png").stat().st_size > 10_000
+    # the script waited for Run to be disabled during the race and enabled after it, and for the columns,
+    # below the fold at a laptop's height before Run, to be scrolled into view
+    assert seen["columns_were_below_the_fold"]
 
 
 @needs_browser
@@ -56,7 +59,7 @@ def test_every_method_in_columns_that_never_overlap(tiny_target_dir, tiny_checkp
     target = load_target(str(folder), "float32", "cpu")
     trained = [m for m, (cls, _) in METHODS.items() if cls.trained]
     for m in trained:
-        shutil.copytree(tiny_checkpoint(target, m, epochs=1), tmp_path / "drafters" / m)
+        shutil.copytree(tiny_checkpoint(target, m, epochs=1, prompts=8), tmp_path / "drafters" / m)
     app = RunningApp(folder, SPECVIZ_DRAFTERS=str(tmp_path / "drafters"), SPECVIZ_ASSISTANT=str(folder))
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     try:
