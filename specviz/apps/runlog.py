@@ -31,6 +31,7 @@ from .bench import PromptRun, bench
 from .results import BenchResult, MethodBudget
 
 _HINTS = typing.get_type_hints(StepRecord)
+DROPPED = {"decisions"}  # the accept rule's per-node numbers: only the app's step view reads them
 
 
 def _holds(hint, cls: type) -> bool:
@@ -39,8 +40,8 @@ def _holds(hint, cls: type) -> bool:
 
 def encode_run(run: PromptRun) -> dict:
     """The run as plain lists: each step's tree as tokens and parents with its beams' compression; tensors
-    (draft log-probs, child distributions, the target's probabilities of each node) stay out, as no figure
-    reads them and they would make the log many times larger."""
+    (draft log-probs, child distributions, the target's probabilities of each node) and the accept rule's
+    decisions stay out, as no figure reads them and they would make the log many times larger."""
     records = None
     if run.records is not None:
         records = []
@@ -48,6 +49,8 @@ def encode_run(run: PromptRun) -> dict:
             step = {}
             for f in fields(r):
                 value = getattr(r, f.name)
+                if f.name in DROPPED:
+                    continue
                 if isinstance(value, DraftTree):
                     compression = value.info.get("compression")
                     step[f.name] = {"tokens": value.tokens.tolist(), "parents": value.parents.tolist(),
