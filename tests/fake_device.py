@@ -11,15 +11,30 @@ It lets the CPU-only suite run the engine and the drafters with the target "on a
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
-CUDA = torch.device("cuda", 0)
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}  # with a ``device=`` argument: what may move
+SETITEM, GETITEM, COPY = torch.Tensor.__setitem__, torch.Tensor.__getitem__, torch.Tensor.copy_
 DEVICE_GETTER = torch.Tensor.device.__get__
 ALLOWED = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.copy_, torch.Tensor.item,
            torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__getitem__}
 METADATA = {"_has_compatible_shallow_copy_type", "__set__"}  # module.to(): compare, then swap ``param.data``
+NESTED = (tuple, list, deque, dict)  # what torch's pytree flattens in an op's arguments and results (subclasses too)
+
+
+def _tensors(items, found: list) -> list:
+    """The tensors in the container ``items``, however nested, appended to ``found``. A plain walk: pytree's
+    ``tree_flatten``/``tree_map`` cost most of the mode's time, and registering results needs no rebuilt structure."""
+    for item in items.values() if isinstance(items, dict) else items:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, NESTED):
+            _tensors(item, found)
+    return found
 
 
 class DeviceMix(RuntimeError):
@@ -58,32 +73,55 @@ class FakeCuda(TorchFunctionMode):
 
     # -- the mode ---------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # Every op of every decode comes through here (most of a test's time), so it is kept lean: no pytree, one
+        # storage lookup per tensor, the checks only where something could mix, and an op with no device tensor
+        # among its inputs goes straight through.
         if func == DEVICE_GETTER:  # a fresh method-wrapper each time: compared by ==
-            return CUDA if self.on_device(args[0]) else torch.device("cpu")
-        target = self._target_device(func, args, kwargs)
-        if target is not None:
-            return self._move(func, args, kwargs, target)
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        device = [t for t in tensors if self.on_device(t)]
-        if device and func not in ALLOWED and getattr(func, "__name__", "") not in METADATA:
-            host = [t for t in tensors if not self.on_device(t) and t.dim() > 0]
-            if func is torch.Tensor.__setitem__:  # into a device tensor the index may stay on the CPU
+            return CUDA if self.on_device(args[0]) else CPU
+        kwargs = kwargs or {}
+        if func in MOVES or kwargs.get("device") is not None:
+            target = self._target_device(func, args, kwargs)
+            if target is not None:
+                return self._move(func, args, kwargs, target)
+        tensors = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                tensors.append(a)
+            elif isinstance(a, NESTED):
+                _tensors(a, tensors)
+        if kwargs:
+            _tensors(kwargs, tensors)
+        kept, empty, device, host = self.kept, self.empty, False, []  # host: CPU tensors but 0-dim scalars
+        for t in tensors:
+            if (t.untyped_storage().data_ptr() in kept) if t.numel() else (id(t) in empty):  # on_device, inlined
+                device = True
+            elif t.dim():
+                host.append(t)
+        if not device:  # nothing on the device: nothing to check, nothing to register
+            return func(*args, **kwargs)
+        if (host or func is SETITEM or kwargs.get("generator") is not None) and func not in ALLOWED \
+                and getattr(func, "__name__", "") not in METADATA:
+            if func is SETITEM:  # into a device tensor the index may stay on the CPU
                 value = args[2] if isinstance(args[2], torch.Tensor) and args[2].dim() > 0 else None
                 host = [] if value is None or self.on_device(value) == self.on_device(args[0]) else [value]
                 if not self.on_device(args[0]):
-                    host += [t for t in tree_flatten(args[1])[0] if self.on_device(t)]
+                    host += [t for t in _tensors((args[1],), []) if self.on_device(t)]
             if host:
+                device = [tuple(t.shape) for t in tensors if self.on_device(t)]
                 raise DeviceMix(f"{getattr(func, '__name__', func)} mixes cuda:0 and cpu tensors "
-                                f"(shapes {[tuple(t.shape) for t in device]} and {[tuple(t.shape) for t in host]})")
+                                f"(shapes {device} and {[tuple(t.shape) for t in host]})")
             gen = kwargs.get("generator")
             if gen is not None and gen.device.type != "cuda":
                 raise DeviceMix(f"{getattr(func, '__name__', func)} draws device samples with a CPU generator")
-        if func is torch.Tensor.__getitem__ and not self.on_device(args[0]) and device:
+        if func is GETITEM and not self.on_device(args[0]):
             raise DeviceMix("a CPU tensor indexed with device indices")
         out = func(*args, **kwargs)
-        if device and func is not torch.Tensor.copy_:  # a copy stays where its destination is
-            tree_map(lambda t: self.put(t) if isinstance(t, torch.Tensor) else t, out)
+        if func is not COPY:  # a copy stays where its destination is; everything else computed here is on the device
+            for t in (out,) if isinstance(out, torch.Tensor) else _tensors((out,), []):  # put, inlined
+                if t.numel():
+                    kept[t.untyped_storage().data_ptr()] = t
+                else:
+                    empty[id(t)] = t
         return out
 
     def _target_device(self, func, args, kwargs):
