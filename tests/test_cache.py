@@ -85,7 +85,7 @@ def test_crop_rewinds_a_length_and_keep_moves_only_the_rows_named():
     layer.crop(-2)
     assert layer.get_seq_length() == 4 and layer.keys.flatten().tolist() == [0, 1, 2, 3]
     assert layer._keys is buffer  # nothing reallocated or copied
-    layer.keep(1, torch.tensor([0, 2]))  # rows 1 and 3 stay, as rows 1 and 2
+    layer.keep(1, torch.tensor([1, 3]))  # rows 1 and 3 stay, as rows 1 and 2
     assert layer.keys.flatten().tolist() == [0, 1, 3]
     assert layer.values.flatten().tolist() == [100, 101, 103]
     with pytest.raises(ValueError, match="negative"):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from specviz.apps import render
-from specviz.core.engine import StepRecord
+from specviz.core.engine import DISPLAY, StepRecord, run
+from specviz.core.protocol import Drafter
 from specviz.core.tree import DraftTree
 from specviz.core.verify import Sampling, accept, probabilities
 
@@ -49,7 +50,7 @@ def test_rejection_decisions_can_be_redone_by_hand():
         tree, logits = two_children_at_the_root(child_dists)
         seen_rejection = False
         for seed in range(40):
-            result = accept(tree, logits, s, torch.Generator().manual_seed(seed))
+            result = accept(tree, logits, s, torch.Generator().manual_seed(seed), explain=True)
             root = [d for d in result.decisions if int(tree.parents[d.node - 1]) == 0]
             assert [d.node for d in root] == [1, 2][: len(root)]
             assert redo_by_hand(tree, logits, s, root) == result.path[:1]
@@ -61,7 +62,7 @@ def test_greedy_decisions_name_each_child_up_to_the_targets_top_token():
     tree = DraftTree(torch.tensor([5, 3, 7]), torch.tensor([0, 0, 2]))
     logits = torch.full((4, 8), -5.0)
     logits[0, 3] = logits[2, 1] = 5.0  # root: top token 3 (node 2); node 2: top token 1, not its child's 7
-    result = accept(tree, logits, Sampling())
+    result = accept(tree, logits, Sampling(), explain=True)
     assert result.path == [2] and result.bonus == 1
     assert [(d.node, d.accepted) for d in result.decisions] == [(1, False), (2, True), (3, False)]
 
@@ -70,7 +71,7 @@ def test_the_step_view_shows_the_decisions_as_the_rule_saw_them():
     s = Sampling(temperature=1.0)
     tree, logits = two_children_at_the_root(True)
     result = next(r for seed in range(100)
-                  if not (r := accept(tree, logits, s, torch.Generator().manual_seed(seed))).path)
+                  if not (r := accept(tree, logits, s, torch.Generator().manual_seed(seed), explain=True)).path)
     record = StepRecord(step=1, tree=tree, path=result.path, tokens=[result.bonus], bonus=result.bonus,
                         decisions=result.decisions)
     detail = render.step_detail(record, lambda ids: "".join(f"t{i}" for i in ids), [0], "m", greedy=False)
@@ -79,3 +80,23 @@ def test_the_step_view_shows_the_decisions_as_the_rule_saw_them():
     assert f"{first.draw * first.draft_p:.3f} ≥ {first.target_p:.3f}: rejected" in detail
     assert second.target_p != first.target_p  # the second child is judged against the residual
     assert f"<td>{second.target_p:.3f}</td><td>{second.draft_p:.3f}</td>" in detail
+
+
+class TwoGuesses(Drafter):
+    """Two children of the root every step (tokens 0 and 1): most steps reject at least one."""
+
+    name = "two-guesses"
+
+    def propose(self, state, request) -> DraftTree:
+        return DraftTree(torch.tensor([0, 1]), torch.tensor([0, 0]))
+
+
+def test_the_decode_loop_records_decisions_for_a_display_only(tiny_target):
+    target = tiny_target(vocab_size=8, seed=1)
+    shown = run(target, TwoGuesses(), [1, 2, 3], 12, observers=DISPLAY)
+    bare = run(target, TwoGuesses(), [1, 2, 3], 12)
+    assert shown.output_ids == bare.output_ids
+    drafted = [r for r in shown.records if len(r.tree)]  # the last step may have no room left to draft
+    assert drafted and all(r.decisions for r in drafted) and not any(r.decisions for r in bare.records)
+    for r in drafted:  # greedy: the first examined child the target's top token is the one kept
+        assert [d.node for d in r.decisions if d.accepted] == r.path[:1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import asdict
 
 import torch
 from tqdm.auto import tqdm
@@ -58,7 +59,7 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
               "date": time.strftime("%Y-%m-%d"), "curve": rows}
     if floor:
         rates = measure_rates(str(target.device), target.dtype)
-        result["rates"] = dict(rates.__dict__)
+        result["rates"] = asdict(rates)
         for r in rows:
             r["floor_ms"] = forward_cost(target, r["tokens"], context).floor_ms(rates)
             r["x_floor"] = r["ms"] / r["floor_ms"]

@@ -9,7 +9,7 @@ every forward, and a tree commit had to gather the whole context again. Here eac
   ``length + n`` rows: attention reads exactly the live context, as with a dynamic cache, so the masks
   transformers builds (from ``get_seq_length``) and ours (``DraftTree.attention_mask``) are unchanged;
 - ``crop(-k)`` rewinds ``length`` by k, copying nothing;
-- ``keep(past, rows)`` moves the verify rows that were accepted to ``past, past+1, ...``: O(accepted),
+- ``SlabCache.keep(past, rows)`` moves the verify rows that were accepted to ``past, past+1, ...``: O(accepted),
   whatever the context;
 - a write past ``capacity`` doubles the buffer (amortised O(1) per row), so a decode that outgrows its
   estimate is slower once, never wrong.
@@ -82,11 +82,11 @@ class SlabLayer(DynamicLayer):
             self._view()
 
     @torch.inference_mode()  # the buffers were made by a forward under inference mode
-    def keep(self, past: int, rows: torch.Tensor) -> None:
-        """Keep rows ``past + rows`` (on this layer's device) as ``past, past+1, ...``; drop the rest."""
-        n = rows.numel()
+    def keep(self, past: int, index: torch.Tensor) -> None:
+        """Keep the rows at ``index`` (absolute, on this layer's device) as ``past, past+1, ...``; drop the rest."""
+        n = index.numel()
         for buffer in (self._keys, self._values):
-            buffer[:, :, past: past + n] = buffer.index_select(2, past + rows)  # gathered first: sources may overlap
+            buffer[:, :, past: past + n] = buffer.index_select(2, index)  # gathered first: sources may overlap
         self.length = past + n
         self._view()
 
@@ -110,12 +110,13 @@ class SlabCache(Cache):
 
     def keep(self, past: int, rows: list[int] | torch.Tensor) -> None:
         """Keep verify rows ``rows`` (indices after ``past``, in order of the sequence) as the rows after ``past``."""
-        rows = torch.as_tensor(rows, dtype=torch.long)
-        on_device: dict[torch.device, torch.Tensor] = {}
+        index = past + torch.as_tensor(rows, dtype=torch.long)
+        on_device: dict[torch.device, torch.Tensor] = {}  # one copy per device (a model may be split across several)
         for layer in self.layers:
             if layer.is_initialized:
-                index = on_device.setdefault(layer.device, rows.to(layer.device))
-                layer.keep(past, index)
+                if layer.device not in on_device:
+                    on_device[layer.device] = index.to(layer.device)
+                layer.keep(past, on_device[layer.device])
 
 
 def full_attention_only(config) -> bool:

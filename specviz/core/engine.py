@@ -33,7 +33,7 @@ class StepRecord:
     bonus: int
     timings: Timings = field(default_factory=Timings)
     finished: str | None = None  # "eos" | "length" on the last step
-    decisions: list[Decision] = field(default_factory=list)  # each node the accept rule examined, as it saw it
+    decisions: list[Decision] = field(default_factory=list)  # as the accept rule saw them; with observers only
     # display extras, empty unless an observer filled them
     margins: list[float] = field(default_factory=list)  # per emitted token: the target's top-1 minus top-2 logit
     node_target_p: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [N] target p of each node
@@ -155,7 +155,7 @@ def generate(
                 past = cache.get_seq_length()
                 logits, feats = target.verify(sequence[-1], tree, cache, padding)
         with timer("accept"):
-            result = accept(tree, logits, sampling, gen)
+            result = accept(tree, logits, sampling, gen, explain=bool(observers))  # decisions: for a display
             keep = [0] + result.path
             if step == 0:
                 commit = Commit(torch.as_tensor(prompt_ids), feats, result.bonus)

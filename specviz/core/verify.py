@@ -97,17 +97,19 @@ class Acceptance:
     decisions: list[Decision] = field(default_factory=list, compare=False)  # each node examined (not typical)
 
 
-def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None = None) -> Acceptance:
-    """Apply the configured rule to the verify logits [N+1, V] of ``tree``."""
+def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None = None,
+           explain: bool = False) -> Acceptance:
+    """Apply the configured rule to the verify logits [N+1, V] of ``tree``. With ``explain`` the result also
+    holds the rule's ``decisions`` (for a display; the decode loop pays nothing for them otherwise)."""
     rule = s.resolved_rule
     if rule == "greedy" or s.greedy and rule != "typical":
-        return _greedy(tree, logits)
+        return _greedy(tree, logits, explain)
     if rule == "typical":
         return _typical(tree, logits, s, gen)
-    return _rejection(tree, logits, s, gen)
+    return _rejection(tree, logits, s, gen, explain)
 
 
-def _greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+def _greedy(tree: DraftTree, logits: torch.Tensor, explain: bool = False) -> Acceptance:
     best = logits.argmax(-1).tolist()
     tokens, kids = tree.tokens.tolist(), tree.children()
     node, path, decisions = 0, [], []
@@ -115,7 +117,8 @@ def _greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
         nxt = None
         for child in kids[node]:  # in order, up to the one that is the target's top token
             hit = tokens[child - 1] == best[node]
-            decisions.append(Decision(child, float(hit), 1.0, None, hit))
+            if explain:
+                decisions.append(Decision(child, float(hit), 1.0, None, hit))
             if hit:
                 nxt = child
                 break
@@ -129,7 +132,8 @@ def _sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
-def _rejection(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> Acceptance:
+def _rejection(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None,
+               explain: bool = False) -> Acceptance:
     tokens, kids = tree.tokens.tolist(), tree.children()
     node, path, decisions = 0, [], []
     while True:
@@ -141,7 +145,8 @@ def _rejection(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Ge
             qx = 1.0 if q is None else float(q[x])
             draw = float(torch.rand((), generator=gen)) if qx > 0 else None  # no draw for a token q cannot give
             kept = draw is not None and draw * qx < float(p[x])
-            decisions.append(Decision(child, float(p[x]), qx, draw, kept))
+            if explain:
+                decisions.append(Decision(child, float(p[x]), qx, draw, kept))
             if kept:
                 chosen = child
                 break

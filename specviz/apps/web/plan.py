@@ -4,6 +4,7 @@ and a request that cannot run at all is a ``SettingsError`` with the reason."""
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field, fields
 
 from drafters import METHODS
@@ -25,7 +26,7 @@ def clamp(label: str, value, low, high, default, notes: list[str], cast=int):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:  # NaN != NaN
         notes.append(f"{label}: {str(value)[:40]!r} is not a number; used {default}")
         return default
-    if isinstance(value, int) and not -1e300 < value < 1e300:  # an integer too large for a float: its bound
+    if isinstance(value, int) and abs(value) > sys.float_info.max:  # too large for a float: clamped to its bound
         value = math.inf if value > 0 else -math.inf
     number = cast(value) if math.isfinite(value) else value  # ±inf is clamped to a bound
     kept = cast(min(max(number, low), high))

@@ -52,11 +52,12 @@ class AppState:
         finally:
             self.on_engine(steps.close)
 
-    def defaults(self, name: str) -> dict:
+    def defaults(self, name: str, tuned: Tuned | None = None) -> dict:
         """The settings ``name`` starts with here: its defaults for this target, the budget tuned for this
-        machine, then what was configured."""
-        tuned = self.tuned[name].settings if name in self.tuned else {}
-        return {**METHODS[name][1].defaults(self.target), **tuned, **self.configured.get(name, {})}
+        machine (``tuned``, else the one recorded), then what was configured."""
+        tuned = tuned or self.tuned.get(name)
+        return {**METHODS[name][1].defaults(self.target), **(tuned.settings if tuned else {}),
+                **self.configured.get(name, {})}
 
     def limits(self, name: str) -> dict[str, tuple]:
         return METHODS[name][1].limits(self.target)
@@ -112,11 +113,11 @@ def load_state(target: str | None = None, dtype: str = "auto", device: str | Non
             if cls.trained and (folder / name).is_dir():
                 configured[name] = {"checkpoint": str(folder / name)}
     state = AppState(model, configured=configured, engine=engine)
+    if tune == "now":  # before the drafters are built, so each is built once, at its tuned budget
+        tuner.tune_now(state)
     state.on_engine(state.load_drafters)
     if warm_up is not None:
         state.on_engine(warm_up, state)
-    if tune == "now":
-        tuner.tune_now(state)
     state.cold_start_s = time.perf_counter() - start
     if tune == "background":
         tuner.start(state)

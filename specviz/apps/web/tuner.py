@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from drafters import METHODS, build_drafter
 from specviz.core.errors import SpecvizError
 
-from ..tuning import machine_costs, tune
+from ..tuning import Tuned, machine_costs, tune
 
 MODES = ("background", "now", "off")  # tune while serving, before serving, or never (untuned defaults)
 
@@ -59,18 +59,26 @@ def _jobs(state) -> list[str]:  # state: the app's ``AppState`` (which imports t
     return ["verify cost"] + [m for m in METHODS if m in state.drafters]
 
 
-def _tune_one(state, job: str) -> None:
+def _measure(state, job: str) -> Tuned | None:
+    """Run one job: the verify cost (sets the state's padding; returns None) or one method's budget."""
     if job == "verify cost":
         state.padding = machine_costs(state.target).padding
-        return
-    configured = state.configured.get(job, {})
-    tuned = tune(state.target, job, configured)
+        return None
+    tuned = tune(state.target, job, state.configured.get(job, {}))
     if tuned.seconds:
         log(f"specviz: {job}: {tuned.settings or 'no budget'}, expected {tuned.expected_speedup:.2f}x AR "
             f"(tuned in {tuned.seconds:.1f} s)")
-    if tuned.settings:  # the default drafter runs at the tuned budget: built before it becomes the default
-        settings = {**METHODS[job][1].defaults(state.target), **tuned.settings, **configured}
-        state.drafters[job] = build_drafter(job, state.target, **settings)
+    return tuned
+
+
+def _tune_one(state, job: str) -> None:
+    """One job while the page serves: a tuned method's default drafter is rebuilt at its budget, and becomes
+    the default only once built."""
+    tuned = _measure(state, job)
+    if tuned is None:
+        return
+    if tuned.settings:
+        state.drafters[job] = build_drafter(job, state.target, **state.defaults(job, tuned))
     state.tuned[job] = tuned
 
 
@@ -97,11 +105,14 @@ def start(state) -> None:
 
 
 def tune_now(state) -> None:
-    """Tune every available method before serving (``--tune now``: the old behaviour, and what benches want)."""
+    """Tune every method before the drafters are built (``--tune now``: each is then built once, at its budget).
+    A method that cannot run here fails to tune too; building it then records why."""
     start_time = time.perf_counter()
-    for job in _jobs(state):
+    for job in ["verify cost", *METHODS]:
         try:
-            state.on_engine(_tune_one, state, job)
-        except (SpecvizError, RuntimeError, ValueError) as e:
-            log(f"specviz: {job}: not tuned ({e})")
+            tuned = state.on_engine(_measure, state, job)
+        except Exception:  # noqa: BLE001 - load_drafters records why a method cannot run
+            continue
+        if tuned is not None:
+            state.tuned[job] = tuned
     state.tuning = TuneProgress("now", finished_s=time.perf_counter() - start_time)
