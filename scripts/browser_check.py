@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from collections import Counter
 
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
 CHROMIUM = "/usr/bin/chromium"
@@ -204,7 +206,12 @@ def main() -> None:
         below_fold = page.evaluate(f"{columns_top} > window.innerHeight / 2")
         page.locator("#run").click()
         page.wait_for_function("document.querySelector('#run').disabled", polling=50, timeout=timeout)
-        page.wait_for_function(f"{columns_top} >= -1 && {columns_top} < window.innerHeight / 2", timeout=timeout)
+        try:
+            page.wait_for_function(f"{columns_top} >= -1 && {columns_top} < window.innerHeight / 2", timeout=timeout)
+        except PlaywrightTimeout:
+            geometry = page.evaluate(f"({{top: {columns_top}, scrollY: window.scrollY, height: window.innerHeight, "
+                                     "page: document.documentElement.scrollHeight}})")
+            sys.exit(f"Run did not bring the columns to the top half of the window: {geometry}")
         # polled every 100 ms, not every frame: that keeps the page drawing
         page.wait_for_function("window.svClock.done", polling=100, timeout=timeout)
         page.wait_for_function("!document.querySelector('#run').disabled", polling=100, timeout=timeout)

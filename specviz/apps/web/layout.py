@@ -29,7 +29,15 @@ document.addEventListener('keydown', (e) => {
   if (id) document.getElementById(id)?.click();
 });
 </script>"""
-SCROLL_JS = "() => { document.getElementById('race-columns')?.scrollIntoView({behavior: 'smooth', block: 'start'}); }"
+# Run brings the columns to the top of the window. They are empty when it is clicked, so a screen is reserved for
+# them first: without it a short page cannot scroll that far and the columns stay at the fold. The jump is
+# instant because a smooth scroll is cancelled by the layout changes the first tokens cause.
+SCROLL_JS = """() => {
+  const columns = document.getElementById('race-columns');
+  if (!columns) return;
+  columns.style.minHeight = `${Math.round(window.innerHeight * 0.9)}px`;
+  columns.scrollIntoView({block: 'start'});
+}"""
 QUEUE_SIZE = int(os.environ.get("SPECVIZ_QUEUE_SIZE", 16))  # waiting requests beyond this are turned away
 
 
