@@ -15,6 +15,7 @@ import os
 import sys
 
 from specviz.apps.web.space import install_space_packages
+from specviz.apps.web.starting import StartingPage
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,18 +38,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    install_space_packages()  # before the embedded target's package is looked up
-    from specviz.apps.web.layout import build_demo, launch
-    from specviz.apps.web.state import load_state
-    from specviz.apps.web.views import warm_up
-    from specviz.core.errors import SpecvizError
+    host, port = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"), int(os.environ.get("GRADIO_SERVER_PORT", "7860"))
+    with StartingPage(host, port) as page:  # answers at once; the app takes its address over when it is ready
+        if os.environ.get("SPACE_ID"):
+            page.stage("installing the packages a Space cannot install itself")
+        install_space_packages()  # before the embedded target's package is looked up
+        page.stage("importing torch, transformers and Gradio")
+        from specviz.apps.web.layout import build_demo, launch
+        from specviz.apps.web.state import load_state
+        from specviz.apps.web.views import warm_up
+        from specviz.core.errors import SpecvizError
+        from specviz.core.load import EMBEDDED, converted, embedded_cache, embedded_folder
 
-    try:
-        state = load_state(args.target, args.dtype, args.device, args.assistant, warm_up, tune=args.tune,
-                           drafters=args.drafters)
-    except SpecvizError as error:
-        sys.exit(f"specviz: {error}")
-    launch(build_demo(state))
+        try:
+            if (args.target or EMBEDDED) == EMBEDDED and not converted(embedded_cache()):
+                page.stage("converting the embedded GGUF to safetensors (once per machine)", expected_s=25)
+                embedded_folder()
+            state = load_state(args.target, args.dtype, args.device, args.assistant, warm_up, tune=args.tune,
+                               drafters=args.drafters, stage=page.stage)
+        except SpecvizError as error:
+            sys.exit(f"specviz: {error}")
+        page.stage("laying out the page")
+        demo = build_demo(state)
+    launch(demo, state.target.max_length)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -53,6 +54,7 @@ class RunningApp:
         self.log = open(target.parent / f"app-{self.port}.log", "w")
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
+        self.starting_pages: list[str] = []  # what the address answered before the app served
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -60,6 +62,9 @@ class RunningApp:
             try:
                 urllib.request.urlopen(self.url, timeout=2)
                 return
+            except urllib.error.HTTPError as reply:  # the starting page (503) while the app loads
+                self.starting_pages.append(reply.read().decode())
+                time.sleep(0.5)
             except OSError:
                 time.sleep(0.5)
         self.close()

@@ -29,6 +29,14 @@ def client(app):
     return Client(app.url, verbose=False)
 
 
+def test_the_address_answers_with_the_stages_while_the_app_loads(app):
+    """Before the app serves, its address answers 503 with the starting page, naming the stages as they run."""
+    assert app.starting_pages, "the app's address answered nothing before the app itself"
+    last = app.starting_pages[-1]
+    assert "specviz is starting" in last and "importing torch" in last
+    assert any("loading the target" in page or "building the drafters" in page for page in app.starting_pages)
+
+
 def test_compare_returns_text_origins_and_metrics(client):
     out = client.predict("Say hello.", ["ar", "pld", "skip"], 16, api_name="/compare")
     assert out["notes"] == [] and set(out["methods"]) == {"ar", "pld", "skip"}
@@ -177,28 +185,6 @@ def test_a_full_queue_turns_callers_away_and_the_server_goes_on(tiny_target_dir)
                 errors.append(str(e))
         assert errors and all("queue is full" in e.lower() for e in errors), errors
         assert client.predict("Say hi.", ["ar"], 3, api_name="/compare")["methods"]["ar"]["metrics"]["new_tokens"] == 3
-    finally:
-        app.close()
-
-
-def test_the_page_serves_first_and_tunes_after(tiny_target_dir, tmp_path):
-    """On a machine with nothing cached the page answers before any budget is measured; a call meanwhile runs
-    at the untuned defaults and says so, and once the background tuning ends the defaults are the tuned ones."""
-    app = RunningApp(tiny_target_dir, SPECVIZ_TUNE="background", SPECVIZ_CACHE=str(tmp_path / "cache"))
-    try:
-        client = Client(app.url, verbose=False)
-        first = client.predict("Say hello.", ["ar", "pld"], 8, api_name="/compare")
-        assert "in the background" in first["tuning"] and first["methods"]["pld"]["budget"] == "untuned"
-        assert first["methods"]["pld"]["identical_to_ar"]
-        deadline = time.time() + 600
-        while "tuned for this machine" not in (last := client.predict("Say hi.", ["ar", "pld"], 4,
-                                                                       api_name="/compare"))["tuning"]:
-            assert time.time() < deadline, last["tuning"]
-            time.sleep(1)
-        assert last["methods"]["pld"]["budget"] == "tuned" and last["methods"]["pld"]["identical_to_ar"]
-        given = client.predict("Say hi.", ["pld"], 4, 0.0, 1.0, {"pld": {"num_tokens": 37}},  # not in pld's grid
-                               api_name="/compare")
-        assert given["methods"]["pld"]["budget"] == "as given"
     finally:
         app.close()
 

@@ -20,17 +20,30 @@ needs_browser = pytest.mark.skipif(
     reason="needs Debian chromium (bash setup.sh --tests installs it)")
 
 
-@needs_browser
-def test_page_runs_two_methods_and_renders_tokens_and_plots(tiny_target_dir):
+@pytest.fixture(scope="module")
+def app(tiny_target_dir, tiny_checkpoint, tmp_path_factory):
+    """Every method: tiny drafters trained for the tiny target, the target itself as sps's assistant."""
     pytest.importorskip("playwright")
-    app = RunningApp(tiny_target_dir)
+    import shutil
+
+    from drafters import METHODS
+    from specviz.core.load import load_target
+
+    folder, drafters = tiny_target_dir, tmp_path_factory.mktemp("drafters")
+    target = load_target(str(folder), "float32", "cpu")
+    for m in [m for m, (cls, _) in METHODS.items() if cls.trained]:
+        shutil.copytree(tiny_checkpoint(target, m, epochs=1, prompts=8), drafters / m)
+    running = RunningApp(folder, SPECVIZ_DRAFTERS=str(drafters), SPECVIZ_ASSISTANT=str(folder))
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    try:
-        done = subprocess.run([sys.executable, str(CHECK), app.url, "--methods", "ar,pld",
-                               "--max-new-tokens", "40", "--screenshot", str(ARTIFACTS / "app.png")],
-                              capture_output=True, text=True, timeout=600)
-    finally:
-        app.close()
+    yield running
+    running.close()
+
+
+@needs_browser
+def test_page_runs_two_methods_and_renders_tokens_and_plots(app):
+    done = subprocess.run([sys.executable, str(CHECK), app.url, "--methods", "ar,pld",
+                           "--max-new-tokens", "40", "--screenshot", str(ARTIFACTS / "app.png")],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(seen["plots"].values()), seen["plots"]
@@ -46,30 +59,15 @@ def test_page_runs_two_methods_and_renders_tokens_and_plots(tiny_target_dir):
 
 
 @needs_browser
-def test_every_method_in_columns_that_never_overlap(tiny_target_dir, tiny_checkpoint, tmp_path):
-    """Every method (tiny drafters trained for the tiny target, the target itself as sps's assistant):
-    at 1280 and 1920 px no two columns overlap and no token leaves its column."""
-    pytest.importorskip("playwright")
-    import shutil
-
+def test_every_method_in_columns_that_never_overlap(app):
+    """Every method: at 1280 and 1920 px no two columns overlap and no token leaves its column."""
     from drafters import METHODS
-    from specviz.core.load import load_target
 
-    folder = tiny_target_dir
-    target = load_target(str(folder), "float32", "cpu")
-    trained = [m for m, (cls, _) in METHODS.items() if cls.trained]
-    for m in trained:
-        shutil.copytree(tiny_checkpoint(target, m, epochs=1, prompts=8), tmp_path / "drafters" / m)
-    app = RunningApp(folder, SPECVIZ_DRAFTERS=str(tmp_path / "drafters"), SPECVIZ_ASSISTANT=str(folder))
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    try:
-        done = subprocess.run([sys.executable, str(CHECK), app.url,
-                               "--methods", ",".join(METHODS), "--max-new-tokens", "24", "--layout-widths", "1280,1920",
-                               "--step-through", "eagle2,redrafter", "--controls", "eagle2",
-                               "--screenshot", str(ARTIFACTS / "app-all.png")],
-                              capture_output=True, text=True, timeout=900)
-    finally:
-        app.close()
+    done = subprocess.run([sys.executable, str(CHECK), app.url,
+                           "--methods", ",".join(METHODS), "--max-new-tokens", "24", "--layout-widths", "1280,1920",
+                           "--step-through", "eagle2,redrafter", "--controls", "eagle2",
+                           "--screenshot", str(ARTIFACTS / "app-all.png")],
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(sum(seen["spans"][m].values()) >= 24 for m in METHODS), seen["spans"]

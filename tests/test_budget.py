@@ -217,6 +217,15 @@ def test_tune_chooses_from_the_grid_caches_and_presets_override(target, checkpoi
     assert tuning.resolve(target, "ar", {}) == ({}, None)  # nothing to tune
     with pytest.raises(Exception, match="preset must be one of"):
         tuning.resolve(target, "eagle2", {"preset": "fastest"})
+    # a Space ships the budgets measured on its hardware: read at once from a fresh cache, nothing measured
+    shipped, measured = tmp_path / "shipped", tuning.tune(target, "eagle2", given).settings  # (refreshed above)
+    assert len(tuning.export_budgets(target, ["eagle2"], shipped, {"eagle2": given})) == 2  # the costs and eagle2
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "fresh"))
+    monkeypatch.setenv("SPECVIZ_BUDGETS", str(shipped))
+    monkeypatch.setattr(tuning, "profile", lambda *a, **k: pytest.fail("the shipped curve was measured again"))
+    from_space = tuning.tune(target, "eagle2", given)
+    assert from_space.seconds == 0 and from_space.settings == measured
+    assert not (tmp_path / "fresh" / "budgets").exists()  # read, not copied
 
 
 def test_lookahead_budgets_are_each_warmed_up_and_the_best_is_kept(target, monkeypatch, tmp_path):

@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     _kernels_arg(tu)
     tu.add_argument("--methods", default="all", help="comma-separated, or all")
     tu.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
+    tu.add_argument("--export", default=None, metavar="DIR",
+                    help="also copy the budgets into DIR, for a Space to ship (read via SPECVIZ_BUDGETS)")
 
     sub.add_parser("methods", help="list the methods and their settings")
     return parser
@@ -280,7 +282,7 @@ def cmd_tune(args) -> None:  # apps.tuning
     for name in names:
         if name not in METHODS:
             raise SpecvizError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    tune_and_report(_target(args), names, args.refresh)
+    tune_and_report(_target(args), names, args.refresh, Path(args.export) if args.export else None)
 
 
 def cmd_methods(_args) -> None:

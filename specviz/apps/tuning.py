@@ -11,7 +11,10 @@ are cached per machine, target, dtype, device and checkpoint.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -43,6 +46,7 @@ from .results import MethodBudget
 # that 8 short warm-ups estimate it better than 2 long ones for the same tokens generated.
 WARMUP_FILE = Path(__file__).resolve().parents[2] / "assets" / "data" / "warmup_prompts.json"
 WARMUP_TOKENS = 16
+SHIPPED_BUDGETS = Path(__file__).resolve().parents[2] / "budgets"
 ESTIMATOR = 3  # how a budget's costs are estimated: a cached budget from another version is measured again
 PRESETS = ("tuned", "paper", "fixed")  # the machine's budget, the paper's setting, the dataclass values
 
@@ -79,15 +83,34 @@ def warmup_prompts() -> tuple[str, ...]:
     return tuple(p["prompt"] for p in json.loads(WARMUP_FILE.read_text())["prompts"])
 
 
+def budget_folders() -> list[Path]:
+    """Where budgets are read, in order: this machine's cache (the only one written), then the folders
+    ``SPECVIZ_BUDGETS`` names (separated by ``os.pathsep``; by default the repository's ``budgets/``). A Space
+    ships there the budgets ``tune --export`` wrote on its own hardware class, so a restart on a fresh disk
+    starts tuned. A file is named by its key (machine, target, dtype, device, checkpoint), so budgets from
+    other hardware are never read."""
+    shipped = os.environ.get("SPECVIZ_BUDGETS")
+    others = [Path(p) for p in shipped.split(os.pathsep) if p] if shipped is not None else [SHIPPED_BUDGETS]
+    return [cache_dir() / "budgets", *others]
+
+
+def _found(name: str) -> Path | None:
+    return next((path for folder in budget_folders() if (path := folder / f"{name}.json").is_file()), None)
+
+
 def _cached(name: str, make, refresh: bool = False):
-    path = cache_dir() / "budgets" / f"{name}.json"
-    if path.exists() and not refresh:
+    path = None if refresh else _found(name)
+    if path is not None:
         try:
             return json.loads(path.read_text()), True
-        except json.JSONDecodeError:
-            pass  # a torn write: measure again
+        except (json.JSONDecodeError, OSError):
+            pass  # a torn write or an unreadable file: measure again
     value = make()
-    atomic_write(path, json.dumps(value))
+    try:
+        atomic_write(cache_dir() / "budgets" / f"{name}.json", json.dumps(value))
+    except OSError as error:  # a read-only or full disk: use what was measured; the next start measures again
+        print(f"specviz: a budget could not be cached ({error.strerror or error}); it is used all the same",
+              file=sys.stderr, flush=True)
     return value, False
 
 
@@ -170,10 +193,20 @@ def machine_costs(target: TargetModel, refresh: bool = False) -> MachineCosts:
         return {**{shape: [[r["tokens"], r["ms"]] for r in c] for shape, c in curves.items()},
                 "ar_other_ms": _per_step(ar, "draft", "accept", "other")}
 
-    value, _ = _cached(f"costs-{machine_key(target)}", measure, refresh)
+    value, _ = _cached(_costs_file(target), measure, refresh)
     pad = VerifyPadding(*(padding(*zip(*value[shape])) for shape in ("chain", "tree")))
     chain, tree = (padded_curve(*zip(*value[shape]), pad.as_dict()[shape]) for shape in ("chain", "tree"))
     return MachineCosts(chain, tree, value["ar_other_ms"], pad)
+
+
+def _costs_file(target: TargetModel) -> str:
+    return f"costs-{machine_key(target)}"
+
+
+def _budget_file(target: TargetModel, name: str, given: dict) -> str:
+    warm_up = [WARMUP_TOKENS, content_key("".join(warmup_prompts()).encode(), 8), ESTIMATOR]
+    key = [machine_key(target), name, sorted(given.items()), _checkpoint_id(name, given), warm_up]
+    return f"{name}-{content_key(key)}"
 
 
 def _checkpoint_id(name: str, settings: dict) -> str:
@@ -190,8 +223,6 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
     if not grids:
         return Tuned(name, {}, 1.0, 1.0, 0.0)
     costs = machine_costs(target)  # measured once per machine: `refresh` re-measures the method, not the curve
-    warm_up = [WARMUP_TOKENS, content_key("".join(warmup_prompts()).encode(), 8), ESTIMATOR]
-    key = [machine_key(target), name, sorted(given.items()), _checkpoint_id(name, given), warm_up]
 
     def measure() -> dict:
         start, options = time.perf_counter(), []
@@ -218,7 +249,7 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
         best: Budget = choose(options, costs.chain, costs.ar_other_ms, costs.tree)
         return {**asdict(best), "seconds": time.perf_counter() - start}
 
-    value, cached = _cached(f"{name}-{content_key(key)}", measure, refresh)
+    value, cached = _cached(_budget_file(target, name, given), measure, refresh)
     return Tuned(name, value["settings"], value["tokens_per_step"], value["expected_speedup"],
                  0.0 if cached else value["seconds"], value.get("phase_ms"))  # older caches lack the phases
 
@@ -254,8 +285,22 @@ def resolved_budgets(target: TargetModel, methods: list[str]) -> dict[str, Metho
     return budgets
 
 
-def tune_and_report(target: TargetModel, names: list[str], refresh: bool = False) -> None:
-    """``python -m specviz tune``: the machine's verify-cost curves, then each method's budget, printed."""
+def export_budgets(target: TargetModel, names: list[str], folder: Path,
+                   given: dict[str, dict] | None = None) -> list[Path]:
+    """Copy the verify costs and the budgets of ``names`` (at their default settings, or ``given[name]``) into
+    ``folder``, for a Space to ship (``budget_folders``). Tune first: only what is measured is exported."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written, given = [], given or {}
+    for file in [_costs_file(target), *(_budget_file(target, n, given.get(n, {})) for n in names)]:
+        if (found := _found(file)) is not None and found.parent.resolve() != folder.resolve():
+            written.append(Path(shutil.copy2(found, folder / found.name)))
+    return written
+
+
+def tune_and_report(target: TargetModel, names: list[str], refresh: bool = False,
+                    export: Path | None = None) -> None:
+    """``python -m specviz tune``: the machine's verify-cost curves, then each method's budget, printed;
+    with ``export``, the files are copied there too (``export_budgets``)."""
     costs = machine_costs(target, refresh)
     for shape, curve in (("chain", costs.chain), ("tree", costs.tree)):
         print(f"verify cost of a {shape}, fitted non-decreasing ({str(target.dtype).replace('torch.', '')}, "
@@ -272,3 +317,6 @@ def tune_and_report(target: TargetModel, names: list[str], refresh: bool = False
             continue
         took = f"  [tuned in {tuned.seconds:.1f} s]" if tuned.seconds else "" if not tuned.settings else "  [cached]"
         print(tuned.describe() + took)
+    if export is not None:
+        written = export_budgets(target, names, export)
+        print(f"exported {len(written)} budget files to {export} (ship them with SPECVIZ_BUDGETS={export})")

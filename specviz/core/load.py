@@ -59,9 +59,14 @@ def embedded_gguf() -> Path:
     raise LoadError(f"{EMBEDDED_GGUF} not found in the installed {EMBEDDED_PACKAGE}")
 
 
+def embedded_cache() -> Path:
+    """Where the embedded GGUF's conversion is cached (``converted`` says whether it is there yet)."""
+    return cache_dir() / "smollm2-135m-instruct"
+
+
 def embedded_folder() -> Path:
     """Convert the embedded GGUF once into a cached safetensors folder and return it."""
-    folder = cache_dir() / "smollm2-135m-instruct"
+    folder = embedded_cache()
     if converted(folder):
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from drafters import METHODS
 from specviz.core.errors import SpecvizError
@@ -13,6 +14,7 @@ from specviz.core.load import EMBEDDED
 from .. import render
 from ..questions import load_questions
 from . import views
+from .body_limit import BodyLimit, max_request_bytes
 from .handlers import Handlers
 from .plan import MAX_NEW_TOKENS, setting_specs
 from .space import GPU
@@ -197,8 +199,13 @@ def calm_queue(queue) -> None:
         queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, 0.1)
 
 
-def launch(demo: gr.Blocks) -> None:
+def launch(demo: gr.Blocks, context_tokens: int) -> None:
+    """Serve ``demo``; requests larger than a prompt filling ``context_tokens`` can need are refused unread."""
     demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
     calm_queue(demo._queue)
+    limit = Middleware(BodyLimit, max_bytes=max_request_bytes(context_tokens))
+    # show_error: an error Gradio raises itself (too few arguments, a value its components refuse) reaches the
+    # caller with its message; without it such an error arrives as {"error": null}
     demo.launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-                server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), css=render.CSS, head=ARROW_KEYS)
+                server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), css=render.CSS, head=ARROW_KEYS,
+                show_error=True, app_kwargs={"middleware": [limit]})

@@ -94,15 +94,18 @@ class AppState:
 
 def load_state(target: str | None = None, dtype: str = "auto", device: str | None = None,
                assistant: str | None = None, warm_up=None, tune: str = "background",
-               drafters: str | None = None) -> AppState:
+               drafters: str | None = None, stage=None) -> AppState:
     """Load the target and every drafter on the engine thread and run ``warm_up(state)`` there; then tune
     each method's budget (``tuning``) as ``tune`` says (``tuner.MODES``): "background" returns at once and
     tunes between requests, "now" before returning, "off" never. ``drafters``: a folder with a checkpoint
-    subfolder per trained method, used instead of the shipped ones (drafters trained for another target)."""
+    subfolder per trained method, used instead of the shipped ones (drafters trained for another target).
+    ``stage(text)`` is told each stage as it starts (the starting page shows them)."""
     if tune not in tuner.MODES:
         raise SpecvizError(f"tune must be one of {', '.join(tuner.MODES)}, got {tune!r}")
+    stage = stage or (lambda text: None)
     start = time.perf_counter()
     engine = ThreadPoolExecutor(1, thread_name_prefix="engine")
+    stage(f"loading the target ({target or 'embedded'})")
     model = engine.submit(load_target, target, dtype, device).result()
     configured = {"sps": {"assistant": assistant}} if assistant else {}
     if drafters:
@@ -114,9 +117,12 @@ def load_state(target: str | None = None, dtype: str = "auto", device: str | Non
                 configured[name] = {"checkpoint": str(folder / name)}
     state = AppState(model, configured=configured, engine=engine)
     if tune == "now":  # before the drafters are built, so each is built once, at its tuned budget
+        stage("measuring each method's budget on this machine (--tune now)")
         tuner.tune_now(state)
+    stage("building the drafters")
     state.on_engine(state.load_drafters)
     if warm_up is not None:
+        stage("warming up every method")
         state.on_engine(warm_up, state)
     state.cold_start_s = time.perf_counter() - start
     if tune == "background":

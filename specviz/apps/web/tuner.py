@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 
 from drafters import METHODS, build_drafter
-from specviz.core.errors import SpecvizError
 
 from ..tuning import Tuned, machine_costs, tune
 
@@ -48,7 +47,8 @@ class TuneProgress:
             return "Budgets: **untuned** defaults (tuning is off: `--tune off`)."
         if self.finished_s is not None:
             took = f" in {self.finished_s:.0f} s" if self.finished_s >= 1 else " (read from the cache)"
-            return f"Budgets: tuned for this machine{took}."
+            failed = (f" Not tuned, so at **untuned** defaults: {', '.join(self.failed)}." if self.failed else "")
+            return f"Budgets: tuned for this machine{took}.{failed}"
         doing = f", now {self.current}" if self.current else ""
         return (f"Budgets: measuring this machine in the background ({self.done} of {self.total} done{doing}, "
                 f"{time.perf_counter() - self.started:.0f} s so far). Methods not yet tuned run at "
@@ -95,9 +95,9 @@ def start(state) -> None:
         progress.current = jobs[index]
         try:
             _tune_one(state, jobs[index])
-        except (SpecvizError, RuntimeError, ValueError) as e:  # a method that cannot tune keeps its defaults
-            progress.failed[jobs[index]] = str(e)
-            log(f"specviz: {jobs[index]}: not tuned ({e})")
+        except Exception as e:  # noqa: BLE001 - a method that cannot tune keeps its defaults; the chain goes on
+            progress.failed[jobs[index]] = f"{type(e).__name__}: {e}"
+            log(f"specviz: {jobs[index]}: not tuned ({type(e).__name__}: {e})")
         progress.done = index + 1
         state.engine.submit(run, index + 1)  # behind whatever request arrived meanwhile
 
