@@ -36,8 +36,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_known_args(argv)[0]
 
 
+def missing_folders(args: argparse.Namespace) -> str | None:
+    """A folder named on the command line that is not there, said before anything heavy is imported."""
+    for spec, what in ((args.target, "could not load model"), (args.assistant, "could not load model")):
+        if spec and spec.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(spec)):
+            return f"{what} {spec!r}: no such folder"
+    if args.drafters and not os.path.isdir(os.path.expanduser(args.drafters)):
+        return f"--drafters {args.drafters}: no such folder"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if problem := missing_folders(args):
+        sys.exit(f"specviz: {problem}")
     host, port = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"), int(os.environ.get("GRADIO_SERVER_PORT", "7860"))
     with StartingPage(host, port) as page:  # answers at once; the app takes its address over when it is ready
         if os.environ.get("SPACE_ID"):

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("gradio_client")
 from gradio_client import Client  # noqa: E402
 
-from app_harness import ROOT, RunningApp  # noqa: E402
+from app_harness import ROOT, RunningApp, free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +189,17 @@ def test_a_full_queue_turns_callers_away_and_the_server_goes_on(tiny_target_dir)
         app.close()
 
 
-def test_a_target_that_cannot_load_is_a_clear_exit(tmp_path):
+def test_a_target_that_cannot_load_is_a_clear_exit(tmp_path, monkeypatch):
     env = {**os.environ, "SPECVIZ_TARGET": str(tmp_path / "no-model-here"), "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(ROOT / "app.py")], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1 and "specviz: could not load model" in done.stderr
-    assert "Traceback" not in done.stderr
+    assert done.returncode == 1 and "specviz: could not load model" in done.stderr  # said before torch is imported
+    assert "no such folder" in done.stderr and "Traceback" not in done.stderr
+    import importlib.util  # a folder that is there but holds no model: app.main itself, in this process
+
+    spec = importlib.util.spec_from_file_location("specviz_app", ROOT / "app.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("GRADIO_SERVER_PORT", str(free_port()))  # the starting page's address
+    with pytest.raises(SystemExit) as stopped:
+        module.main(["--target", str(tmp_path), "--tune", "off"])
+    assert str(stopped.value).startswith(f"specviz: could not load model '{tmp_path}'")

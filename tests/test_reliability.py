@@ -178,6 +178,54 @@ def test_two_first_starts_at_once_on_one_empty_cache(tiny_target_dir, tmp_path):
     SUMMARY.add([Outcome("two-first-starts-at-once", "served", f"{len(files)} budget files, all whole", 0.0)])
 
 
+@pytest.fixture(scope="module")
+def state(tiny_target_dir):
+    from specviz.apps.web.state import load_state
+
+    return load_state(str(tiny_target_dir), "float32", "cpu", tune="off")
+
+
+def test_a_drafter_that_raises_mid_run_ends_its_column_and_the_next_call_is_served(state, monkeypatch):
+    """Through the API's own handler (in this process, to plant the fault): pld breaks at its fourth draft."""
+    from specviz.apps.web.handlers import Handlers
+    from specviz.apps.web.plan import setting_specs
+
+    handlers, pld, calls = Handlers(state, setting_specs(state)), state.drafters["pld"], []
+    real = pld.propose
+
+    def breaks(decode, request):
+        calls.append(1)
+        if len(calls) > 3:
+            raise IndexError("index 70000 is out of bounds for dimension 0 with size 49152")
+        return real(decode, request)
+
+    monkeypatch.setattr(pld, "propose", breaks)
+    out = handlers.compare("Count to ten.", ["ar", "pld"], 24)
+    assert out["methods"]["pld"]["error"] == "IndexError: index 70000 is out of bounds for dimension 0 with size 49152"
+    assert out["methods"]["ar"]["metrics"]["new_tokens"] == 24 and out["methods"]["ar"]["error"] is None
+    monkeypatch.undo()
+    again = handlers.compare("Count to ten.", ["ar", "pld"], 24)  # the engine thread is free, the drafter whole
+    assert again["methods"]["pld"]["error"] is None and again["methods"]["pld"]["identical_to_ar"]
+    SUMMARY.add([Outcome("drafter-raises-mid-run", "message", out["methods"]["pld"]["error"], 0.0),
+                 Outcome("served-after-the-raise", "served", "", 0.0)])
+
+
+def test_a_read_only_cache_tunes_all_the_same(state, tmp_path, monkeypatch):
+    """The cache folder cannot be created or written (EROFS): the budget is measured and used, and nothing breaks."""
+    import errno
+
+    from specviz.apps import tuning
+
+    def read_only(path, data):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tuning, "atomic_write", read_only)
+    tuned = tuning.tune(state.target, "pld")
+    assert tuned.seconds > 0 and tuned.settings and not (tmp_path / "cache" / "budgets").exists()
+    SUMMARY.add([Outcome("read-only-cache-tuning", "served", tuned.describe(), 0.0)])
+
+
 def test_the_cases_cover_every_argument():
     assert set(BAD) == set(range(len(GOOD)))
     assert all(isinstance(c, Case) for c in generated_cases(pairs=2))

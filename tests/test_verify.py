@@ -379,3 +379,20 @@ def test_chi_square_has_power(rule, make_tree):
     s = Sampling(temperature=1.0)
     p_first, p_joint = sample_pvalue(rule, make_tree, s, N_SAMPLES, seed=123)
     assert min(p_first, p_joint) < 1e-6, (p_first, p_joint)
+
+
+@pytest.mark.parametrize("vocab", [50, 5000])
+@pytest.mark.parametrize("scale", [0.01, 1.0, 8.0])  # flat (the nucleus passes the first k: full sort), to peaked
+def test_the_nucleus_equals_the_full_sorts(vocab, scale, monkeypatch):
+    from specviz.core import verify
+
+    monkeypatch.setattr(verify, "NUCLEUS_FIRST_K", 64)  # so both of its paths run at these sizes
+    gen = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(torch.randn(9, vocab, generator=gen) * scale, -1)
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        ordered, order = probs.sort(dim=-1, descending=True)
+        drop = ordered.cumsum(-1) - ordered >= top_p  # the definition: the smallest prefix reaching top_p
+        expected = probs.scatter(-1, order, ordered.masked_fill(drop, 0.0))
+        expected = expected / expected.sum(-1, keepdim=True)
+        got = verify.nucleus(probs, top_p)
+        assert torch.equal(got > 0, expected > 0) and torch.allclose(got, expected, atol=1e-7), top_p

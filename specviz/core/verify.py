@@ -68,11 +68,27 @@ def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     probs = torch.softmax(logits / s.temperature, dim=-1)
     if s.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= s.top_p  # keep the smallest set reaching top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = nucleus(probs, s.top_p)
     return probs
+
+
+NUCLEUS_FIRST_K = 1024  # the nucleus is looked for among this many top tokens first
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep, per row, the smallest set of most probable tokens whose mass reaches ``top_p``; renormalise.
+
+    A full sort of a 49k vocabulary cost 5 ms a row on a CPU core (0.3 s for a 60-node tree), while the
+    nucleus is almost always among the top thousand tokens: those come from ``topk`` (about 6x cheaper), and
+    only when some row's top ``NUCLEUS_FIRST_K`` hold less than ``top_p`` is the whole row sorted. The result
+    is the same set either way: a token past the first k has at least their mass before it, so is dropped."""
+    k = min(NUCLEUS_FIRST_K, probs.shape[-1])
+    top, order = probs.topk(k, dim=-1)  # sorted, descending
+    if k < probs.shape[-1] and bool((top.sum(-1) < top_p).any()):
+        top, order = probs.sort(dim=-1, descending=True)
+    drop = top.cumsum(-1) - top >= top_p  # keep the smallest set reaching top_p
+    kept = torch.zeros_like(probs).scatter(-1, order, top.masked_fill(drop, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
 
 
 @dataclass(frozen=True)
