@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
@@ -116,7 +117,7 @@ def test_compare_is_lossless_and_serialisable(handlers):
 def test_race_streams_columns_then_plots_and_runs(handlers, state):
     specs = handlers.specs
     updates = list(handlers.race(SimpleNamespace(session_hash="s1"), "Hi there", ["ar", "pld"], 10, 0, 1, True, "auto",
-                                 *[s.default for s in specs]))
+                                 0, *[s.default for s in specs]))
     columns, runs = updates[-1][: len(METHODS)], updates[-1][-1]
     ar, pld = columns[list(METHODS).index("ar")], columns[list(METHODS).index("pld")]
     assert "10 tokens" in ar and 'data-done="1"' in pld and "✅ identical to AR" in pld
@@ -136,6 +137,24 @@ def test_race_view_notes_methods_that_did_not_finish(state):
     view = RaceView(plan, state.target.text.decode, show_rejected=False)
     view.lanes = {"ar": SimpleNamespace(finished=False)}
     assert re.search(r"Stopped: ar did not finish", view.message())
+
+
+def test_a_busy_machine_is_said_when_ar_runs_far_below_its_idle_speed(state):
+    from specviz.apps.race import race
+
+    plan = plan_race(state, "Count to twenty.", ["ar"], 24, 0, 1, None)
+    view = RaceView(plan, state.target.text.decode, show_rejected=False)
+    for lane in race(state.target, plan.drafters, plan.ids, 24):
+        view.lanes[lane.label] = lane
+    from specviz.core.metrics import summarize
+
+    measured = summarize(view.lanes["ar"].records, view.lanes["ar"].clock).tokens_per_s
+    plan.ar_tok_s = measured * 1.2  # as fast as idle, within noise: no note
+    assert "busy" not in view.message()
+    plan.ar_tok_s = measured * 3  # a third of its idle speed
+    assert "This machine is busy: AR ran at" in view.message() and "τ (tokens per target pass) is not" in view.message()
+    head = view.column("ar")
+    assert head.index("τ 1.00") < head.index("24 / 24 tokens") < head.index("tok/s")  # τ leads
 
 
 def test_the_badge_tells_identical_near_tie_and_clear_apart(state):
@@ -302,3 +321,35 @@ def test_background_tuning_runs_one_job_at_a_time_between_requests(state, monkey
     assert "tuned for this machine" in state.tuning.line()
     assert "untuned" in tuner.TuneProgress("off").line()
     assert "0 of 3 done" in tuner.TuneProgress("background", total=3).line()
+
+
+def test_the_seed_makes_a_sampled_race_repeat_and_another_seed_differ(handlers):
+    def text(seed):
+        out = handlers.compare("Tell me a story.", ["ar", "pld"], 24, 1.0, 1.0, None, "auto", seed)
+        return [out["methods"][m]["text"] for m in ("ar", "pld")]
+
+    assert text(7) == text(7) and text(7) != text(8)
+    out = handlers.compare("Tell me a story.", ["ar"], 4, 1.0, 1.0, None, "auto", -5)
+    assert "seed clamped to 0" in " ".join(out["notes"])
+
+
+def test_a_finished_race_downloads_as_json_with_every_step(handlers, state):
+    import json
+
+    from specviz.apps.web import export
+    from specviz.apps.web.views import race_download
+
+    updates = list(handlers.race(SimpleNamespace(session_hash="s2"), "Tell me a story.", ["ar", "pld"], 24, 0.0, 1.0,
+                                 True, "auto", 3, *[s.default for s in handlers.specs]))
+    runs = updates[-1][-1]
+    saved = json.loads(Path(race_download(runs, state.target.text.decode)["value"]).read_text())
+    assert saved["format"] == export.FORMAT and saved["sampling"]["seed"] == 3 and "Tell me a story." in saved["prompt"]
+    for label, run in runs.items():
+        method = saved["methods"][label]
+        assert method["output"] == [t for step in method["steps"] for t in step["tokens"]]
+        assert method["output"] == [t for r in run["records"] for t in r.tokens] and len(method["output"]) == 24
+        assert method["text"] == state.target.text.decode(method["output"])
+    drafted = [s for s in saved["methods"]["pld"]["steps"] if s["tree"]["tokens"]]
+    assert drafted and all(len(s["decisions"]) >= 1 and len(s["node_target_p"]) == len(s["tree"]["tokens"])
+                           for s in drafted)  # the numbers the step view shows, per node
+    assert race_download({}, state.target.text.decode)["visible"] is False

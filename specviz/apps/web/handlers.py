@@ -39,17 +39,17 @@ class Handlers:
     def __init__(self, state: AppState, specs: list[SettingSpec]):
         self.state, self.specs = state, specs
 
-    def plan(self, prompt, methods, max_new_tokens, temperature, top_p, settings, rule="auto") -> Plan:
+    def plan(self, prompt, methods, max_new_tokens, temperature, top_p, settings, rule="auto", seed=0) -> Plan:
         try:
-            return plan_race(self.state, prompt, methods, max_new_tokens, temperature, top_p, settings, rule)
+            return plan_race(self.state, prompt, methods, max_new_tokens, temperature, top_p, settings, rule, seed)
         except SpecvizError as e:
             raise gr.Error(str(e)) from None
 
     def race(self, request: gr.Request, prompt, methods, max_new_tokens, temperature, top_p, show_rejected,
-             rule="auto", *setting_values):
+             rule="auto", seed=0, *setting_values):
         """The Race tab: stream every selected method's column while the race runs at full speed."""
         plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p,
-                         slider_settings(self.specs, setting_values), rule)
+                         slider_settings(self.specs, setting_values), rule, seed)
         view = views.RaceView(plan, self.state.target.text.decode, bool(show_rejected),
                               str(self.state.target.dtype).replace("torch.", ""))
         session, stop = _session(request), threading.Event()
@@ -71,14 +71,15 @@ class Handlers:
             stop.set()
 
     def compare(self, prompt: str, methods: list[str], max_new_tokens: float = 128, temperature: float = 0.0,
-                top_p: float = 1.0, settings: dict | None = None, rule: str = "auto") -> dict:
+                top_p: float = 1.0, settings: dict | None = None, rule: str = "auto", seed: int = 0) -> dict:
         """The public API: per method the text, each token's origin and step, and the run's metrics.
 
         ``settings`` maps a method to its numeric settings, e.g. {"eagle2": {"depth": 4}}; values beyond
         their range are clamped and every change is listed under ``notes``. ``rule``: auto, greedy,
         rejection (lossless sampling) or typical (lossy). A call gets at most ``COMPARE_BUDGET_S`` of
-        engine time; the methods stop there and say so."""
-        plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p, settings, rule)
+        engine time; the methods stop there and say so. ``seed``: the sampling's random seed (a sampled call
+        is the same call again at the same seed)."""
+        plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p, settings, rule, seed)
         target = self.state.target
         steps = race(target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling, self.state.padding)
 

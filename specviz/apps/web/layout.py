@@ -16,7 +16,7 @@ from ..questions import load_questions
 from . import views
 from .body_limit import BodyLimit, max_request_bytes
 from .handlers import Handlers
-from .plan import MAX_NEW_TOKENS, setting_specs
+from .plan import MAX_NEW_TOKENS, MAX_SEED, setting_specs
 from .space import GPU
 from .state import AppState
 
@@ -85,6 +85,8 @@ def build_demo(state: AppState) -> gr.Blocks:
                     with gr.Row():
                         temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
                         top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
+                        seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed",
+                                         info="sampling: the same seed gives the same race")
                     rule = gr.Dropdown(RULE_CHOICES, value="auto", label="Acceptance rule", elem_id="rule",
                                        info="typical acceptance is lossy: its outputs need not follow the target")
                     show_rejected = gr.Checkbox(value=True, label="Show rejected drafts (struck through)")
@@ -113,6 +115,8 @@ def build_demo(state: AppState) -> gr.Blocks:
                 length_plot = gr.Plot(empty[1], label="tokens per step", elem_id="plot-length")
                 latency_plot = gr.Plot(empty[2], label="latency per token", elem_id="plot-latency")
             runs = gr.State({})
+            download = gr.DownloadButton("Download this race (JSON: every step, tree and decision)", visible=False,
+                                         size="sm", elem_id="download-race")
             gr.Markdown("### Step through a run\nPick a method, then walk its speculation steps with ◀ ▶ "
                         "(or the arrow keys): the draft tree, what the target accepted and why it stopped.")
             with gr.Row():
@@ -128,12 +132,13 @@ def build_demo(state: AppState) -> gr.Blocks:
             started = run_btn.click(lambda: gr.Button(interactive=False), None, run_btn, queue=False, js=SCROLL_JS,
                                     **private)
             started.then(GPU(handlers.race), [prompt, methods, max_new, temperature, top_p, show_rejected, rule,
-                                              *setting_inputs],
+                                              seed, *setting_inputs],
                          [*columns, alpha_plot, length_plot, latency_plot, message, runs], api_name="race",
                          concurrency_id="engine", show_progress="hidden").then(
                 lambda: gr.Button(interactive=True), None, run_btn, queue=False, **private)
             stop_btn.click(handlers.stop, None, None, api_name="stop", concurrency_limit=None)
             tree_inputs, tree_outputs = [runs, tree_method, tree_step], [tree_plot, step_info]
+            runs.change(lambda r: views.race_download(r, target.text.decode), runs, download, **private)
             runs.change(views.tree_choices, runs, [tree_method, tree_step], **private).then(
                 handlers.step_view, tree_inputs, tree_outputs, **private)
             tree_method.input(handlers.step_view, tree_inputs, tree_outputs, **private)

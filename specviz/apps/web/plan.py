@@ -17,6 +17,7 @@ from .state import AppState
 MAX_NEW_TOKENS = 512
 MAX_METHODS = 16  # every method, with room for more
 SLIDER_MAX = 64  # the highest value a settings slider offers
+MAX_SEED = 2**31 - 1
 CHARS_PER_TOKEN = 8  # a prompt longer than this many characters per context token cannot fit (English is ~4)
 
 
@@ -44,10 +45,11 @@ class Plan:
     notes: list[str]
     expected: dict[str, float] = field(default_factory=dict)  # expected speedup, for methods at their tuned budget
     untuned: set[str] = field(default_factory=set)  # methods at defaults whose budget is not yet tuned here
+    ar_tok_s: float | None = None  # AR's speed here when the machine was idle (the tuner's), if measured
 
 
 def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature, top_p,
-              settings: dict | None, rule: str = "auto") -> Plan:
+              settings: dict | None, rule: str = "auto", seed=0) -> Plan:
     """Check and clamp a request; raise SettingsError when nothing can run, else note what changed."""
     notes: list[str] = []
     if not isinstance(prompt, str) or not prompt.strip():
@@ -106,11 +108,12 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
     expected = {m: state.tuned[m].expected_speedup for m in chosen
                 if m in state.tuned and state.tuned[m].settings and chosen[m] is state.drafters.get(m)}
     untuned = {m for m in chosen if state.untuned(m) and chosen[m] is state.drafters.get(m)}
-    sampling = Sampling(temperature=temperature, top_p=top_p, rule=rule, seed=0)  # greedy rule + T > 0: refused
+    seed = clamp("seed", seed, 0, MAX_SEED, 0, notes)  # a sampled race is the same race again at the same seed
+    sampling = Sampling(temperature=temperature, top_p=top_p, rule=rule, seed=seed)  # greedy rule + T > 0: refused
     if not sampling.lossless:
         notes.append(f"the {sampling.resolved_rule} acceptance rule is lossy: outputs need not follow the target's "
                      "distribution")
-    return Plan(ids, chosen, sampling, max_new_tokens, notes, expected, untuned)
+    return Plan(ids, chosen, sampling, max_new_tokens, notes, expected, untuned, state.ar_tok_s)
 
 
 @dataclass

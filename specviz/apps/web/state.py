@@ -37,6 +37,7 @@ class AppState:
     built: BuiltDrafters = field(default_factory=BuiltDrafters)  # at non-default settings, bounded in bytes
     tuned: dict[str, Tuned] = field(default_factory=dict)  # each method's budget for this machine
     padding: VerifyPadding | None = None  # the verify sizes this machine pads (measured with the budgets)
+    ar_tok_s: float | None = None  # AR's speed here as the tuner measured it on an idle engine
     cold_start_s: float = 0.0
     tuning: TuneProgress = field(default_factory=TuneProgress)  # the budgets' progress (``tuner``)
 

@@ -62,7 +62,8 @@ def _jobs(state) -> list[str]:  # state: the app's ``AppState`` (which imports t
 def _measure(state, job: str) -> Tuned | None:
     """Run one job: the verify cost (sets the state's padding; returns None) or one method's budget."""
     if job == "verify cost":
-        state.padding = machine_costs(state.target).padding
+        costs = machine_costs(state.target)
+        state.padding, state.ar_tok_s = costs.padding, 1000 / (costs.chain(1) + costs.ar_other_ms)
         return None
     tuned = tune(state.target, job, state.configured.get(job, {}))
     if tuned.seconds:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import asdict
 
 import gradio as gr
 
@@ -16,6 +17,7 @@ from specviz.core.metrics import TIE_TOLERANCE, divergence, extra_memory_pct, sp
 from .. import render, teaching
 from ..race import Lane, race
 from ..results import BenchResult
+from . import export
 from .plan import Plan
 from .state import AppState
 
@@ -36,6 +38,10 @@ def warm_up(state: AppState) -> None:
         print(f"specviz: warm-up failed ({e!r}); continuing", file=sys.stderr)
 
 
+BUSY_BELOW = 0.6  # AR under this share of its idle speed: the machine is busy (run-to-run noise stays well above)
+BUSY_MIN_TOKENS = 16  # fewer tokens time too little to judge
+
+
 class RaceView:
     """Turns race lanes into the Race tab's outputs: the columns that moved are rebuilt, plots every few seconds."""
 
@@ -53,11 +59,14 @@ class RaceView:
         records = lane.records if lane else []
         clock = lane.clock if lane else 0.0
         m = summarize(records, clock)
-        bits = [f"{m.new_tokens} tokens", f"τ {m.tau:.2f}", f"{m.tokens_per_s:.1f} tok/s"]
+        # τ first: what the method achieved, which a busy machine cannot change; then progress, then speed
+        bits = [f'<b title="tokens per target pass (τ): load on the machine does not change it">τ {m.tau:.2f}</b>',
+                f"{m.new_tokens} / {self.plan.max_new_tokens} tokens"]
         expected = self.plan.expected.get(label)
         if ar is not None and label != "ar" and ar.clock > 0 and ar.records:
             bits.append(f"{speedup(m.new_tokens, clock, len(ar.output_ids), ar.clock):.2f}× AR"
                         + ("" if expected is None else f" (expected {expected:.2f}×)"))
+        bits.append(f"{m.tokens_per_s:.1f} tok/s")
         done = lane is not None and lane.finished
         if label in self.plan.untuned:
             bits.append('<span title="this machine\'s budget for it is not measured yet">untuned budget</span>')
@@ -73,7 +82,8 @@ class RaceView:
             return (' · <span class="sv-differs" title="typical acceptance keeps tokens the target would not '
                     'always pick">lossy (typical acceptance)</span>')
         if not self.plan.sampling.greedy:
-            return ' · <span title="sampling: same distribution as AR, different tokens">sampled</span>'
+            return (' · <span title="sampling: same distribution as AR, different tokens; the same seed gives the '
+                    f'same race">sampled, seed {self.plan.sampling.seed}</span>')
         final = lane.finished and ar.finished
         n = len(lane.output_ids) if final else min(len(lane.output_ids), len(ar.output_ids))
         d = divergence(lane.output_ids[:n], ar.output_ids[:n] if not final else ar.output_ids,
@@ -110,8 +120,9 @@ class RaceView:
 
     def finish(self) -> tuple:
         self.html.update({m: self.column(m) for m in self.plan.drafters})
-        runs = {k: {"records": v.records, "clock": v.clock, "error": v.error, "greedy": self.plan.sampling.greedy}
-                for k, v in self.lanes.items()}
+        shared = {"greedy": self.plan.sampling.greedy, "sampling": asdict(self.plan.sampling),
+                  "prompt": self.decode(self.plan.ids)}  # what the download of the race names
+        runs = {k: {"records": v.records, "clock": v.clock, "error": v.error, **shared} for k, v in self.lanes.items()}
         return (*self.html.values(), *self.figures(), self.message(), runs)
 
     def figures(self) -> list:
@@ -121,7 +132,20 @@ class RaceView:
         notes = list(self.plan.notes)
         if stopped := [m for m in self.plan.drafters if m in self.lanes and not self.lanes[m].finished]:
             notes.append(f"Stopped: {', '.join(stopped)} did not finish; the columns, plots and trees show what ran.")
+        if busy := self.busy():
+            notes.append(busy)
         return "\n".join(f"- {n}" for n in notes)
+
+    def busy(self) -> str:
+        """A note when AR ran far below its idle speed here: the machine is shared, so speeds are unreliable."""
+        ar, idle = self.lanes.get("ar"), self.plan.ar_tok_s
+        if ar is None or not ar.finished or not idle or len(ar.output_ids) < BUSY_MIN_TOKENS:
+            return ""
+        measured = summarize(ar.records, ar.clock).tokens_per_s
+        if measured >= BUSY_BELOW * idle:
+            return ""
+        return (f"This machine is busy: AR ran at {measured:.1f} tok/s, against {idle:.1f} measured on it idle, so "
+                "tokens/s and × AR are unreliable now. τ (tokens per target pass) is not affected.")
 
 
 def tree_choices(runs: dict):
@@ -189,3 +213,11 @@ def method_note(state: AppState, name: str) -> str:
 def method_figure(name: str):
     inputs, drafter, output = teaching.DIAGRAMS.get(name, ((), name, "draft"))
     return render.method_diagram(inputs, drafter, output, f"{name}: what it reads, runs and proposes")
+
+
+def race_download(runs: dict, decode):
+    """The Download button after a race: the race as JSON (``export``), or hidden before the first race."""
+    if not runs:
+        return gr.update(visible=False)
+    first = next(iter(runs.values()))
+    return gr.update(value=str(export.race_file(runs, first["prompt"], first["sampling"], decode)), visible=True)

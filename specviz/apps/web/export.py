@@ -1,0 +1,66 @@
+"""A finished race as a JSON file a teacher can download: every method's every step, with the numbers the page
+showed (the draft tree with its token texts, the accepted path, the target's probability of each node, the accept
+rule's decisions, the step's time split), so a class can redo any step away from the app.
+
+The layout (``FORMAT``): ``{"format", "prompt", "sampling", "methods": {label: {"output", "text", "error",
+"seconds", "steps": [...]}}}``; a method's ``output`` is its steps' ``tokens`` joined, which the tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+
+from specviz.core.engine import StepRecord
+from specviz.core.timing import Timings
+from specviz.core.tree import DraftTree
+
+FORMAT = "specviz-race/1"
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(float(v), 6) for v in values]
+
+
+def step_dict(record: StepRecord, decode) -> dict:
+    """One step as plain data: tensors as lists, the tree's tokens with their text."""
+    step = {}
+    for f in fields(record):
+        value = getattr(record, f.name)
+        if isinstance(value, DraftTree):
+            tokens = value.tokens.tolist()
+            step[f.name] = {"tokens": tokens, "texts": [decode([t]) for t in tokens], "parents": value.parents.tolist()}
+        elif isinstance(value, Timings):
+            step[f.name] = asdict(value)
+        elif isinstance(value, torch.Tensor):
+            step[f.name] = _rounded(value.flatten().tolist())
+        elif f.name == "decisions":
+            step[f.name] = [asdict(d) for d in value]
+        elif f.name == "margins":
+            step[f.name] = _rounded(value)
+        else:
+            step[f.name] = value
+    step["accepted"], step["corrected"] = record.accepted, record.corrected
+    step["texts"] = [decode([t]) for t in record.tokens]
+    return step
+
+
+def race_dict(runs: dict, prompt: str, sampling: dict, decode) -> dict:
+    """``runs``: the Race tab's state (label -> records, clock, error)."""
+    methods = {}
+    for label, run in runs.items():
+        output = [t for r in run["records"] for t in r.tokens]
+        methods[label] = {"output": output, "text": decode(output), "error": run.get("error"),
+                          "seconds": run.get("clock"), "steps": [step_dict(r, decode) for r in run["records"]]}
+    return {"format": FORMAT, "prompt": prompt, "sampling": sampling, "methods": methods}
+
+
+def race_file(runs: dict, prompt: str, sampling: dict, decode) -> Path:
+    """Write the race to a fresh temporary file (Gradio serves it for download) and return its path."""
+    path = Path(tempfile.mkdtemp(prefix="specviz-race-")) / "race.json"
+    path.write_text(json.dumps(race_dict(runs, prompt, sampling, decode), ensure_ascii=False))
+    return path
