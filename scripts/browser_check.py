@@ -165,9 +165,27 @@ def check_controls(page, method: str, methods: list[str], timeout: float) -> dic
     return {"total_tokens": [before, paper], "lossy_head": lossy, "stopped": page.locator("#message").inner_text()}
 
 
+def replay(path: str) -> None:
+    """Open a downloaded replay page offline, show all steps, and print each column's tokens as JSON."""
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        context = browser.new_context(offline=True)
+        page = context.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"file://{path}", wait_until="load")
+        page.locator("#show-all").click()
+        texts = page.evaluate("Object.fromEntries([...document.querySelectorAll('#columns .sv-column')].map(c => "
+                              "[c.id.replace('replay-', ''), [...c.querySelectorAll('.sv-tokens span')]"
+                              ".map(s => s.textContent)]))")
+        heads = page.evaluate("[...document.querySelectorAll('#columns .sv-head')].map(h => h.textContent)")
+        print(json.dumps({"tokens": texts, "heads": heads, "step": page.locator("#step").inner_text(),
+                          "errors": errors}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("url")
+    p.add_argument("url", help="the app's address, or a downloaded replay page (a .html file) to check offline")
     p.add_argument("--methods", default="ar,pld")
     p.add_argument("--prompt", default="Write a haiku about speculative decoding.")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -183,6 +201,8 @@ def main() -> None:
     p.add_argument("--controls", default="", help="a method with a paper preset: also check the presets, the "
                                                   "rule selector and Stop")
     args = p.parse_args()
+    if args.url.endswith(".html"):
+        return replay(args.url)
     methods = args.methods.split(",")
     timeout = args.timeout * 1000
     with sync_playwright() as pw:

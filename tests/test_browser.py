@@ -83,3 +83,28 @@ def test_every_method_in_columns_that_never_overlap(app):
     controls = seen["controls"]  # a preset switch and back, the rule selector, Stop
     assert controls["total_tokens"][1] == "60" and controls["total_tokens"][0] != "60", controls
     assert "lossy" in controls["lossy_head"] and "Stopped:" in controls["stopped"], controls
+
+
+@needs_browser
+def test_the_replay_page_opens_offline_and_shows_the_races_tokens(tiny_target_dir, tmp_path):
+    pytest.importorskip("playwright")
+    from drafters import build_drafter
+    from specviz.apps.race import race
+    from specviz.apps.web import export, replay
+    from specviz.core.load import load_target
+
+    target = load_target(str(tiny_target_dir), "float32", "cpu")
+    prompt = target.text.encode_chat("Count to twenty: one, two, three, four")
+    lanes = {lane.label: lane for lane in race(target, {m: build_drafter(m, target) for m in ("ar", "pld")}, prompt, 30)}
+    runs = {m: {"records": lane.records, "clock": lane.clock, "error": lane.error} for m, lane in lanes.items()}
+    saved = export.race_dict(runs, target.text.decode(prompt), {"temperature": 0.0}, target.text.decode)
+    page = replay.replay_file(saved)
+    done = subprocess.run([sys.executable, str(CHECK), str(page)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["errors"] == []
+    for m, method in saved["methods"].items():  # every token of every step, in order, as the race emitted them
+        assert seen["tokens"][m] == [text for step in method["steps"] for text in step["texts"]], m
+        assert len(seen["tokens"][m]) == 30
+    steps = max(len(method["steps"]) for method in saved["methods"].values())
+    assert seen["step"] == f"step {steps} of {steps}" and any("τ" in head for head in seen["heads"])

@@ -342,7 +342,8 @@ def test_a_finished_race_downloads_as_json_with_every_step(handlers, state):
     updates = list(handlers.race(SimpleNamespace(session_hash="s2"), "Tell me a story.", ["ar", "pld"], 24, 0.0, 1.0,
                                  True, "auto", 3, *[s.default for s in handlers.specs]))
     runs = updates[-1][-1]
-    saved = json.loads(Path(race_download(runs, state.target.text.decode)["value"]).read_text())
+    as_json, as_page = race_download(runs, state.target.text.decode)
+    saved = json.loads(Path(as_json["value"]).read_text())
     assert saved["format"] == export.FORMAT and saved["sampling"]["seed"] == 3 and "Tell me a story." in saved["prompt"]
     for label, run in runs.items():
         method = saved["methods"][label]
@@ -352,4 +353,8 @@ def test_a_finished_race_downloads_as_json_with_every_step(handlers, state):
     drafted = [s for s in saved["methods"]["pld"]["steps"] if s["tree"]["tokens"]]
     assert drafted and all(len(s["decisions"]) >= 1 and len(s["node_target_p"]) == len(s["tree"]["tokens"])
                            for s in drafted)  # the numbers the step view shows, per node
-    assert race_download({}, state.target.text.decode)["visible"] is False
+    assert all(update["visible"] is False for update in race_download({}, state.target.text.decode))
+    page = Path(as_page["value"]).read_text()  # the replay page carries the same race, its JSON unbroken
+    embedded = page.split("<script type='application/json' id='race'>", 1)[1].split("</script>", 1)[0]
+    assert json.loads(embedded) == saved and "<script src" not in page  # nothing fetched
+

@@ -59,8 +59,8 @@ def race_dict(runs: dict, prompt: str, sampling: dict, decode) -> dict:
     return {"format": FORMAT, "prompt": prompt, "sampling": sampling, "methods": methods}
 
 
-def race_file(runs: dict, prompt: str, sampling: dict, decode) -> Path:
-    """Write the race to a fresh temporary file (Gradio serves it for download) and return its path."""
+def race_file(race: dict) -> Path:
+    """Write ``race`` (``race_dict``) to a fresh temporary file (Gradio serves it for download); its path."""
     path = Path(tempfile.mkdtemp(prefix="specviz-race-")) / "race.json"
-    path.write_text(json.dumps(race_dict(runs, prompt, sampling, decode), ensure_ascii=False))
+    path.write_text(json.dumps(race, ensure_ascii=False))
     return path

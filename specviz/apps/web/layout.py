@@ -115,8 +115,11 @@ def build_demo(state: AppState) -> gr.Blocks:
                 length_plot = gr.Plot(empty[1], label="tokens per step", elem_id="plot-length")
                 latency_plot = gr.Plot(empty[2], label="latency per token", elem_id="plot-latency")
             runs = gr.State({})
-            download = gr.DownloadButton("Download this race (JSON: every step, tree and decision)", visible=False,
-                                         size="sm", elem_id="download-race")
+            with gr.Row():
+                download = gr.DownloadButton("Download this race (JSON: every step, tree and decision)",
+                                             visible=False, size="sm", elem_id="download-race")
+                download_replay = gr.DownloadButton("Download a page that replays it offline (HTML)",
+                                                    visible=False, size="sm", elem_id="download-replay")
             gr.Markdown("### Step through a run\nPick a method, then walk its speculation steps with ◀ ▶ "
                         "(or the arrow keys): the draft tree, what the target accepted and why it stopped.")
             with gr.Row():
@@ -138,7 +141,8 @@ def build_demo(state: AppState) -> gr.Blocks:
                 lambda: gr.Button(interactive=True), None, run_btn, queue=False, **private)
             stop_btn.click(handlers.stop, None, None, api_name="stop", concurrency_limit=None)
             tree_inputs, tree_outputs = [runs, tree_method, tree_step], [tree_plot, step_info]
-            runs.change(lambda r: views.race_download(r, target.text.decode), runs, download, **private)
+            runs.change(lambda r: views.race_download(r, target.text.decode), runs, [download, download_replay],
+                        **private)
             runs.change(views.tree_choices, runs, [tree_method, tree_step], **private).then(
                 handlers.step_view, tree_inputs, tree_outputs, **private)
             tree_method.input(handlers.step_view, tree_inputs, tree_outputs, **private)

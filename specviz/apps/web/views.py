@@ -17,7 +17,7 @@ from specviz.core.metrics import TIE_TOLERANCE, divergence, extra_memory_pct, sp
 from .. import render, teaching
 from ..race import Lane, race
 from ..results import BenchResult
-from . import export
+from . import export, replay
 from .plan import Plan
 from .state import AppState
 
@@ -215,9 +215,12 @@ def method_figure(name: str):
     return render.method_diagram(inputs, drafter, output, f"{name}: what it reads, runs and proposes")
 
 
-def race_download(runs: dict, decode):
-    """The Download button after a race: the race as JSON (``export``), or hidden before the first race."""
+def race_download(runs: dict, decode) -> tuple:
+    """The two download buttons after a race: its JSON (``export``) and a page replaying it offline
+    (``replay``); hidden before the first race."""
     if not runs:
-        return gr.update(visible=False)
+        return gr.update(visible=False), gr.update(visible=False)
     first = next(iter(runs.values()))
-    return gr.update(value=str(export.race_file(runs, first["prompt"], first["sampling"], decode)), visible=True)
+    race = export.race_dict(runs, first["prompt"], first["sampling"], decode)
+    return (gr.update(value=str(export.race_file(race)), visible=True),
+            gr.update(value=str(replay.replay_file(race)), visible=True))
