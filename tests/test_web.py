@@ -358,3 +358,14 @@ def test_a_finished_race_downloads_as_json_with_every_step(handlers, state):
     embedded = page.split("<script type='application/json' id='race'>", 1)[1].split("</script>", 1)[0]
     assert json.loads(embedded) == saved and "<script src" not in page  # nothing fetched
 
+
+
+def test_each_method_keeps_one_colour_in_every_race_plot_and_header(state):
+    from specviz.apps import render
+
+    every = render.method_colours(METHODS)
+    assert len(set(every.values())) == len(METHODS)  # no two methods share one
+    assert render.method_colours(["pld", "eagle2"]) == {"pld": every["pld"], "eagle2": every["eagle2"]}
+    assert render.method_colour("eagle2:depth=4") == every["eagle2"]
+    plan = plan_race(state, "Hi", ["ar", "pld"], 8, 0, 1, None)
+    assert f"border-left: 5px solid {every['pld']}" in RaceView(plan, state.target.text.decode, False).column("pld")

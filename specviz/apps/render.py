@@ -9,6 +9,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from drafters import METHODS
 from specviz.core.engine import StepRecord
 from specviz.core.metrics import acceptance_by_depth, decode_steps, summarize
 from specviz.core.timing import PHASES
@@ -92,12 +93,21 @@ def step_html(record: StepRecord, decode, show_rejected: bool) -> str:
 
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-           "#bcbd22", "#17becf", "#393b79", "#637939")  # one colour per method, the same in every plot
+           "#bcbd22", "#17becf", "#393b79", "#637939", "#843c39")  # one colour per method, the same everywhere
 COMPACT_LEGEND = dict(font=dict(size=10), itemwidth=30, tracegroupgap=2)
 
 
+def method_colour(label: str) -> str:
+    """A method's colour, the same in every race, plot and column header: by its place in the registry (a
+    label with settings, ``eagle2:depth=4``, takes its method's); a label of no method gets one by its name."""
+    name = label.split(":", 1)[0]
+    order = list(METHODS)
+    index = order.index(name) if name in order else sum(map(ord, label))
+    return PALETTE[index % len(PALETTE)]
+
+
 def method_colours(labels) -> dict[str, str]:
-    return {label: PALETTE[i % len(PALETTE)] for i, label in enumerate(labels)}
+    return {label: method_colour(label) for label in labels}
 
 
 def step_detail(record: StepRecord, decode, before: list[int], label: str = "", greedy: bool = True) -> str:

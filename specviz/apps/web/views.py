@@ -70,7 +70,8 @@ class RaceView:
         done = lane is not None and lane.finished
         if label in self.plan.untuned:
             bits.append('<span title="this machine\'s budget for it is not measured yet">untuned budget</span>')
-        head = (f'<div class="sv-head" data-done="{int(done)}"><b>{label}</b> · {" · ".join(bits)}'
+        head = (f'<div class="sv-head" data-done="{int(done)}" style="border-left: 5px solid '
+                f'{render.method_colour(label)}; padding-left: 6px"><b>{label}</b> · {" · ".join(bits)}'
                 f'{self.badge(lane, ar)}{" · done" if done else ""}</div>')
         error = f'<p class="sv-error">stopped: {render.escape(lane.error)}</p>' if lane and lane.error else ""
         return head + '<div class="sv-tokens">' + "".join(self.spans[label]) + "</div>" + error
