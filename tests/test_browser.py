@@ -95,7 +95,8 @@ def test_the_replay_page_opens_offline_and_shows_the_races_tokens(tiny_target_di
 
     target = load_target(str(tiny_target_dir), "float32", "cpu")
     prompt = target.text.encode_chat("Count to twenty: one, two, three, four")
-    lanes = {lane.label: lane for lane in race(target, {m: build_drafter(m, target) for m in ("ar", "pld")}, prompt, 30)}
+    drafters = {m: build_drafter(m, target) for m in ("ar", "pld")}
+    lanes = {lane.label: lane for lane in race(target, drafters, prompt, 30)}
     runs = {m: {"records": lane.records, "clock": lane.clock, "error": lane.error} for m, lane in lanes.items()}
     saved = export.race_dict(runs, target.text.decode(prompt), {"temperature": 0.0}, target.text.decode)
     page = replay.replay_file(saved)

@@ -91,8 +91,8 @@ def _reliability_section(name: str, d: dict) -> str:
             f"{extra.get('huge_prompt_refused_alone_s', 0) * 1000:.0f} ms alone and at most "
             f"{d['huge_prompt_refused_s'] * 1000:.0f} ms amid the abuse ({extra.get('huge_prompts_refused', '?')} of "
             "them); the "
-            f"app's memory before and after the burst of generated calls: "
-            f"{extra.get('rss_mb_before_after_burst', '?')} MB.")
+            "app's resident memory before the burst of generated calls, after it, and after its single-fault "
+            f"calls were sent again: {extra.get('rss_mb_before_after_burst_after_repeat', '?')} MB.")
 
 
 def _bench_section(name: str, result: BenchResult) -> str:
