@@ -261,6 +261,8 @@ def test_learn_tab_names_papers_not_internal_labels(state):
     text = learn_text(state)
     assert "seed" not in text.lower() and "HASS" in text and "Unavailable here" in text
     assert "near-tie" in text and "Budgets" in text
+    assert text.index("What speculative decoding is") < text.index("Leviathan et al., 2023")  # it opens with them
+    assert "arxiv.org/abs/2211.17192" in text and "arxiv.org/abs/2302.01318" in text
     assert set(METHODS) <= set(teaching.NOTES) and set(METHODS) <= set(teaching.DIAGRAMS)
     from specviz.apps.web.views import method_figure
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The methods' papers (arXiv).
+# The methods' papers (arXiv): the two that founded the field first.
 PAPERS = {
+    "Fast Inference from Transformers via Speculative Decoding (Leviathan et al., 2023)":
+        "https://arxiv.org/abs/2211.17192",
+    "Accelerating Large Language Model Decoding with Speculative Sampling (Chen et al., 2023)":
+        "https://arxiv.org/abs/2302.01318",
     "ReDrafter: Recurrent Drafter for Fast Speculative Decoding (Cheng et al., 2024)":
         "https://arxiv.org/abs/2403.09919",
     "HASS: Learning Harmonized Representations for Speculative Sampling (Zhang et al., 2024)":
@@ -21,6 +25,32 @@ PAPERS = {
     "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding (Fu et al., 2024)":
         "https://arxiv.org/abs/2402.02057",
 }
+
+FOUNDATIONS = (
+    "**What speculative decoding is.** A language model writes one token per forward pass, and on most "
+    "hardware a pass costs about the same for one token as for a few dozen: the time goes to reading the "
+    "weights, not to the arithmetic. So a cheap *drafter* guesses the next few tokens, the *target* checks all "
+    "of them in one pass, and the agreeing prefix is kept, plus one token of the target's own (a *bonus* after "
+    "the last draft, or a *correction* where a draft was rejected). Every pass yields at least one token, "
+    "usually more. With greedy decoding a draft is kept when it is the target's own top token; when sampling, "
+    "the rejection rule of Leviathan et al. and Chen et al. (2023) keeps a draft with probability "
+    "min(1, p/q) and otherwise draws from what is left of the target's distribution (in a tree, each sibling "
+    "is tested in turn against what the earlier rejections left; the step view shows those numbers), so the "
+    "output follows the target's distribution exactly: a *lossless* method changes the speed, never the "
+    "distribution, and in greedy decoding never the text.\n\n"
+    "**How the methods descend from it.** The founding papers drafted with a second, smaller model of the same "
+    "family (`sps` here). The methods since differ in where the draft comes from. From the text itself: prompt "
+    "lookup (`pld`) copies what followed an earlier occurrence of the last few tokens; lookahead runs Jacobi "
+    "iterations and keeps an n-gram pool. From the target with parts skipped: `skip` drafts with some of its "
+    "layers left out (self-speculative). From heads on the target's last hidden state: Medusa puts one head "
+    "per future position and verifies a tree of their top guesses; ReDrafter replaces the independent heads "
+    "with a small recurrent network and beam search, merging the beams into a tree; semi-autoregressive "
+    "drafting predicts several tokens per pass. From a one-layer transformer that predicts the target's next "
+    "*feature* (EAGLE): EAGLE-2 grows the tree where the drafter is confident; HASS trains the drafter on its "
+    "own earlier predictions so that deep drafts see at inference what they saw in training; FSPAD samples the "
+    "feature before drafting and distils only part of it; EAGLE-3 fuses low, middle and high layers' features "
+    "and drafts tokens directly, trained the way it drafts. The race shows what each buys here."
+)
 
 READING = (
     "**How to read the race.** Every column is one method decoding the same prompt with the same target. "

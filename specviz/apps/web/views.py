@@ -196,7 +196,8 @@ def benchmark_table(result: BenchResult | None):
 
 def learn_text(state: AppState, notes: bool = True) -> str:
     """The Learn tab's text: the papers, how to read the race, precision, budgets (and each method's note)."""
-    parts = ["Papers: " + " · ".join(f"[{k}]({v})" if v else k for k, v in teaching.PAPERS.items()),
+    parts = [teaching.FOUNDATIONS,
+             "Papers: " + " · ".join(f"[{k}]({v})" if v else k for k, v in teaching.PAPERS.items()),
              teaching.READING, teaching.PRECISION, teaching.BUDGETS]
     if notes:
         parts += [method_note(state, name) for name in state.drafters]
