@@ -199,6 +199,8 @@ def test_plots_one_line_per_method_and_a_box_of_tokens_per_step():
         ("a", "solid", True), ("a", "dash", False), ("b", "solid", True), ("b", "dash", False)]
     assert list(alpha.data[0].y) == [1.0, 0.0]  # depth 1 accepted at both steps, depth 2 reached, never accepted
     assert alpha.data[0].line.color == alpha.data[1].line.color != alpha.data[2].line.color
+    assert [list(c) for c in alpha.data[0].customdata] == [[2, 2], [0, 2]]  # accepted of tested, per depth (hover)
+    assert [list(c) for c in alpha.data[1].customdata] == [[2, 2], [0, 2]]  # ... of all decode steps
     boxes = render.accepted_length_figure(runs)
     assert [(t.type, t.name, list(t.y)) for t in boxes.data] == [("box", "a", [2, 2]), ("box", "b", [2])]
 

@@ -11,7 +11,7 @@ from plotly.subplots import make_subplots
 
 from drafters import METHODS
 from specviz.core.engine import StepRecord
-from specviz.core.metrics import acceptance_by_depth, decode_steps, summarize
+from specviz.core.metrics import acceptance_by_depth, acceptance_counts, decode_steps, summarize
 from specviz.core.timing import PHASES
 
 COLOURS = {"accepted": "#2e9e4f", "bonus": "#d98c00", "rejected": "#c0392b", "prompt": "#777777"}
@@ -184,11 +184,16 @@ def acceptance_figure(runs: dict[str, list[StepRecord]]) -> go.Figure:
     fig, colours = go.Figure(), method_colours(runs)
     for label, records in runs.items():
         cond, uncond = acceptance_by_depth(records)
+        accepted, tested, steps = acceptance_counts(records)
         depth = list(range(1, len(cond) + 1))
-        for values, dash, kind in ((cond, "solid", "conditional"), (uncond, "dash", "unconditional")):
+        for values, of, dash, kind, what in ((cond, tested, "solid", "conditional", "steps that tested depth"),
+                                             (uncond, [steps] * len(depth), "dash", "unconditional", "steps, depth")):
             fig.add_trace(go.Scatter(x=depth, y=values, mode="lines+markers", name=label, legendgroup=label,
                                      showlegend=kind == "conditional", line=dict(color=colours[label], dash=dash),
-                                     hovertemplate=f"{label} {kind}: α_%{{x}} = %{{y:.2f}}<extra></extra>"))
+                                     customdata=list(zip(accepted, of)),
+                                     hovertemplate=f"{label} {kind}: α_%{{x}} = %{{y:.2f}}, accepted in "
+                                                   f"%{{customdata[0]}} of %{{customdata[1]}} {what} %{{x}}"
+                                                   "<extra></extra>"))
     fig.update_layout(title="α_k per draft depth<br><sup>solid: conditional (÷ steps that tested depth k) · "
                       "dashed: unconditional (÷ all steps)</sup>", legend=COMPACT_LEGEND,
                       xaxis=dict(title="draft depth k", dtick=1), yaxis_title="α_k", yaxis_range=[0, 1.05], **LAYOUT)

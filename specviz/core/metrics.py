@@ -47,8 +47,8 @@ def tau(records: Sequence[StepRecord]) -> float:
     return sum(r.accepted + 1 for r in decode) / len(decode) if decode else 1.0
 
 
-def acceptance_by_depth(records: Sequence[StepRecord]) -> tuple[list[float], list[float]]:
-    """(conditional, unconditional) α for depths 1..deepest draft; see the module docstring.
+def acceptance_counts(records: Sequence[StepRecord]) -> tuple[list[int], list[int], int]:
+    """(accepted, tested) per depth 1..deepest draft, and the decode steps: the counts behind both α.
 
     Verification tests depth k when it accepted the k-1 drafts before it and the last of them (the root for
     k = 1) has a child in the draft: EAGLE's count (its ``alpha_num``)."""
@@ -61,8 +61,15 @@ def acceptance_by_depth(records: Sequence[StepRecord]) -> tuple[list[float], lis
             tested[k] += node in parents
         for k in range(r.accepted):
             accepted[k] += 1
+    return accepted, tested, len(decode)
+
+
+def acceptance_by_depth(records: Sequence[StepRecord]) -> tuple[list[float], list[float]]:
+    """(conditional, unconditional) α for depths 1..deepest draft; see the module docstring
+    (``acceptance_counts`` gives the counts)."""
+    accepted, tested, steps = acceptance_counts(records)
     cond = [a / t if t else 0.0 for a, t in zip(accepted, tested)]
-    return cond, [a / len(decode) for a in accepted]
+    return cond, [a / steps for a in accepted]
 
 
 def speedup(tokens: int, wall_s: float, ar_tokens: int, ar_wall_s: float) -> float:
