@@ -143,6 +143,9 @@ def test_tree_figure_marks_the_accepted_path():
     lines_off, lines_on, nodes = fig.data
     assert list(nodes.x) == [0, 1, 2, 1] and list(nodes.text) == ["root", "5", "6", "7"]
     assert [c == render.COLOURS["accepted"] for c in nodes.marker.color] == [True, True, False, False]
+    # 6 hangs from the kept 5 and 7 from the root: both tested and rejected, red
+    assert list(nodes.marker.color)[2:] == [render.COLOURS["rejected"]] * 2
+    assert [h.rsplit(" · ", 1)[1] for h in nodes.hovertext] == ["root", "accepted", "rejected", "rejected"]
     assert list(lines_on.x) == [0, 1, None]
 
 

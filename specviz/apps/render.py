@@ -300,7 +300,7 @@ def tree_figure(record: StepRecord | None, decode, label: str = "") -> go.Figure
     fig.update_layout(title=f"{label} step {record.step}: {len(tree)} nodes, {record.accepted} accepted{extra}",
                       **{**LAYOUT, "height": min(max(380, 100 + 16 * rows), 1400)})  # one readable row per leaf
     deepest = max(tree.max_depth, info["beams"].shape[1] if beams else 0)
-    fig.update_xaxes(title_text="depth", range=[-0.3, deepest + 0.8])  # room for the deepest labels
+    fig.update_xaxes(title_text="depth", range=[-0.3, deepest + 0.8], dtick=1)  # room for the deepest labels
     return fig
 
 
@@ -330,10 +330,16 @@ def _tree_traces(tree, accepted: set[int], decode) -> list[go.Scatter]:
                                  line=dict(color=COLOURS["accepted"] if on_path else "#cccccc",
                                            width=3 if on_path else 1)))
     text = ["root"] + [visible(decode([int(t)])) for t in tree.tokens]
-    colour = [COLOURS["accepted"] if i in accepted else "#bbbbbb" for i in range(len(tree) + 1)]
+    parents = [-1] + tree.parents.tolist()
+    # a node whose parent was kept but which was not is rejected (red); one below a rejected node was never reached
+    fate = ["accepted" if i in accepted else "rejected" if parents[i] in accepted else "not reached"
+            for i in range(len(tree) + 1)]
+    fate[0] = "root"
+    colour = [{"rejected": COLOURS["rejected"], "not reached": "#bbbbbb"}.get(f, COLOURS["accepted"]) for f in fate]
     traces.append(go.Scatter(x=depth, y=y, mode="markers+text", text=text, textposition="middle right",
                              marker=dict(color=colour, size=10), showlegend=False,
-                             hovertext=[f"node {i} · depth {d}" for i, d in enumerate(depth)], hoverinfo="text"))
+                             hovertext=[f"node {i} · depth {d} · {f}" for i, (d, f) in enumerate(zip(depth, fate))],
+                             hoverinfo="text"))
     return traces
 
 
