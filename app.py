@@ -38,9 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def missing_folders(args: argparse.Namespace) -> str | None:
     """A folder named on the command line that is not there, said before anything heavy is imported."""
-    for spec, what in ((args.target, "could not load model"), (args.assistant, "could not load model")):
+    for spec in (args.target, args.assistant):  # a path, not a hub id: it must be there
         if spec and spec.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(spec)):
-            return f"{what} {spec!r}: no such folder"
+            return f"could not load model {spec!r}: no such folder"
     if args.drafters and not os.path.isdir(os.path.expanduser(args.drafters)):
         return f"--drafters {args.drafters}: no such folder"
     return None
