@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import tempfile
 from dataclasses import asdict, fields
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -26,14 +27,14 @@ def _rounded(values: list[float]) -> list[float]:
     return [round(float(v), 6) for v in values]
 
 
-def step_dict(record: StepRecord, decode) -> dict:
-    """One step as plain data: tensors as lists, the tree's tokens with their text."""
+def step_dict(record: StepRecord, text) -> dict:
+    """One step as plain data: tensors as lists, the tree's tokens with their ``text(token)``."""
     step = {}
     for f in fields(record):
         value = getattr(record, f.name)
         if isinstance(value, DraftTree):
             tokens = value.tokens.tolist()
-            step[f.name] = {"tokens": tokens, "texts": [decode([t]) for t in tokens], "parents": value.parents.tolist()}
+            step[f.name] = {"tokens": tokens, "texts": [text(t) for t in tokens], "parents": value.parents.tolist()}
         elif isinstance(value, Timings):
             step[f.name] = asdict(value)
         elif isinstance(value, torch.Tensor):
@@ -45,17 +46,18 @@ def step_dict(record: StepRecord, decode) -> dict:
         else:
             step[f.name] = value
     step["accepted"], step["corrected"] = record.accepted, record.corrected
-    step["texts"] = [decode([t]) for t in record.tokens]
+    step["texts"] = [text(t) for t in record.tokens]
     return step
 
 
 def race_dict(runs: dict, prompt: str, sampling: dict, decode) -> dict:
     """``runs``: the Race tab's state (label -> records, clock, error)."""
+    text = cache(lambda token: decode([token]))  # a race's trees repeat their tokens many times over
     methods = {}
     for label, run in runs.items():
         output = [t for r in run["records"] for t in r.tokens]
         methods[label] = {"output": output, "text": decode(output), "error": run.get("error"),
-                          "seconds": run.get("clock"), "steps": [step_dict(r, decode) for r in run["records"]]}
+                          "seconds": run.get("clock"), "steps": [step_dict(r, text) for r in run["records"]]}
     return {"format": FORMAT, "prompt": prompt, "sampling": sampling, "methods": methods}
 
 
