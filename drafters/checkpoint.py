@@ -81,6 +81,15 @@ def update_card(folder: Path, **fields) -> None:
     files.atomic_write(Path(folder) / CARD, json.dumps(card, indent=2) + "\n")
 
 
+def check_target(card: dict, target, what: str) -> None:
+    """Refuse a checkpoint whose card names another target's hidden size, vocabulary or depth."""
+    want, have = card.get("target", {}), target_signature(target)
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if key in want and want[key] != have[key]:
+            raise CheckpointError(f"{what} was trained for a target with {key}={want[key]} "
+                                  f"({want.get('name', '?')}); this target ({have['name']}) has {key}={have[key]}")
+
+
 def load_checkpoint(folder: str | Path | None, method: str, target) -> tuple[dict[str, torch.Tensor], dict]:
     """Weights (float32) and card for ``method``, checked against ``target``; clear errors otherwise."""
     folder = Path(folder) if folder else default_path(method)
@@ -92,12 +101,7 @@ def load_checkpoint(folder: str | Path | None, method: str, target) -> tuple[dic
     card = read_card(folder)
     if card.get("method") != method:
         raise CheckpointError(f"{folder} holds a {card.get('method')!r} checkpoint, not {method!r}")
-    want, have = card.get("target", {}), target_signature(target)
-    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
-        if key in want and want[key] != have[key]:
-            raise CheckpointError(
-                f"{method} checkpoint {folder} was trained for a target with {key}={want[key]} "
-                f"({want.get('name', '?')}); this target ({have['name']}) has {key}={have[key]}")
+    check_target(card, target, f"{method} checkpoint {folder}")
     try:
         state = load(files.read_bytes(weights))
     except (SafetensorError, OSError, ValueError, lzma.LZMAError, EOFError) as e:

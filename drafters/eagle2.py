@@ -26,11 +26,12 @@ from .trained import TrainedDrafter
 from .training.losses import LossOptions, feature_loss
 
 
-def layer_config(target_config) -> LlamaConfig:
-    """A one-layer Llama config with the target's widths, heads and rotary settings."""
+def layer_config(target_config, **shape) -> LlamaConfig:
+    """A one-layer Llama config with the target's widths, heads and rotary settings; ``shape`` overrides
+    them with a published drafter's own (``intermediate_size``, ``rope_parameters``, ...)."""
     c = target_config
-    heads = c.num_attention_heads
-    cfg = LlamaConfig(
+    heads = shape.get("num_attention_heads") or c.num_attention_heads
+    values = dict(
         hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=1,
         num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
@@ -38,6 +39,7 @@ def layer_config(target_config) -> LlamaConfig:
         eos_token_id=None, pad_token_id=None,  # no vocabulary of its own: no special ids to check
         rope_parameters=getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0},
     )
+    cfg = LlamaConfig(**{**values, **shape})
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -123,8 +125,8 @@ class Eagle2Drafter(TrainedDrafter):
     loss = LossOptions()
 
     @classmethod
-    def new_network(cls, target) -> FeatureNet:
-        return FeatureNet(layer_config(target.config), **cls.variant)
+    def new_network(cls, target, **shape) -> FeatureNet:
+        return FeatureNet(layer_config(target.config, **shape), **cls.variant)
 
     @classmethod
     def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False, done: float = 1.0):

@@ -39,12 +39,15 @@ def fusion_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 class FusedNet(nn.Module):
-    """fc(low, mid, high) -> one decoder layer over [norm(embedding), norm(hidden)] -> (head input, next hidden)."""
+    """fc(low, mid, high) -> one decoder layer over [norm(embedding), norm(hidden)] -> (head input, next hidden).
 
-    def __init__(self, config: LlamaConfig, taps: int = 3):
+    ``norm_before_residual``: the residual is the normed hidden state rather than the raw one (a variant
+    some published EAGLE-3 checkpoints use; the ``speculators`` config names it)."""
+
+    def __init__(self, config: LlamaConfig, taps: int = 3, norm_before_residual: bool = False):
         super().__init__()
         h = config.hidden_size
-        self.hidden = h
+        self.hidden, self.norm_before_residual = h, norm_before_residual
         self.fc = nn.Linear(taps * h, h, bias=False)
         self.embed_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
@@ -62,9 +65,11 @@ class FusedNet(nn.Module):
         return self.fc(features[..., self.hidden:])
 
     def forward(self, hidden, embeds, positions, mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.embed_norm(embeds), normed], dim=-1)
         cos_sin = self.rotary(hidden, positions)
-        h = hidden + self.attn(x, position_embeddings=cos_sin, attention_mask=mask, **cache_kwarg(self.attn, cache))[0]
+        attended = self.attn(x, position_embeddings=cos_sin, attention_mask=mask, **cache_kwarg(self.attn, cache))[0]
+        h = (normed if self.norm_before_residual else hidden) + attended
         h = h + self.mlp(self.post_norm(h))
         return self.out_norm(h), h
 
@@ -78,11 +83,12 @@ class Eagle3Drafter(Eagle2Drafter):
 
     def __init__(self, target, settings):
         super().__init__(target, settings)  # loads the checkpoint first: a missing one taps nothing
-        self.columns = target.tap(self.tapped_layers(target.num_layers))
+        taps = self.card.get("features", {}).get("tapped_layer_inputs") or self.tapped_layers(target.num_layers)
+        self.columns = target.tap(taps)
 
     @classmethod
-    def new_network(cls, target) -> FusedNet:
-        return FusedNet(layer_config(target.config))
+    def new_network(cls, target, taps: int = 3, norm_before_residual: bool = False, **shape) -> FusedNet:
+        return FusedNet(layer_config(target.config, **shape), taps, norm_before_residual)
 
     @classmethod
     def tapped_layers(cls, num_layers: int) -> tuple[int, ...]:

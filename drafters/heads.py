@@ -108,8 +108,8 @@ class HeadDrafter(TrainedDrafter):
             raise SettingsError(f"{self.name} drafts at most {self.max_length} tokens, got length={settings.length}")
 
     @classmethod
-    def new_network(cls, target) -> nn.Module:
-        return cls.network(target.config.hidden_size)
+    def new_network(cls, target, **shape) -> nn.Module:
+        return cls.network(target.config.hidden_size, **shape)
 
     @classmethod
     def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False, done: float = 1.0):

@@ -24,9 +24,16 @@ from .heads import DEPTH, HeadDrafter, HeadState, ResBlock
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden: int, heads: int = DEPTH):
+    """One ResBlock per head into the target's frozen head (what specviz trains). A published Medusa
+    checkpoint may stack ``layers`` ResBlocks per head and give each head its own LM head over ``vocab``
+    tokens (``out``), as Medusa's ``medusa_lm_head`` does."""
+
+    def __init__(self, hidden: int, heads: int = DEPTH, layers: int = 1, vocab: int = 0):
         super().__init__()
-        self.heads = nn.ModuleList(ResBlock(hidden) for _ in range(heads))
+        block = (lambda: ResBlock(hidden)) if layers == 1 else (
+            lambda: nn.Sequential(*(ResBlock(hidden) for _ in range(layers))))
+        self.heads = nn.ModuleList(block() for _ in range(heads))
+        self.out = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(heads)) if vocab else None
 
     def start(self, x, e):
         return ()
@@ -36,6 +43,12 @@ class MedusaHeads(nn.Module):
 
     def head(self, state, x, depth):
         return self.heads[depth - 1](x)
+
+    def logits(self, head_in: torch.Tensor, frozen) -> torch.Tensor:
+        """Logits [depth, V'] over the draft vocabulary for row d-1 = head d's input."""
+        if self.out is None:
+            return frozen.logits(head_in)
+        return torch.stack([self.out[d](row) for d, row in enumerate(head_in)])
 
 
 def tree_choices(accuracy: list[list[float]], top_k: int, total: int) -> list[tuple[int, ...]]:
@@ -71,7 +84,7 @@ class MedusaSettings(Settings):
     top_k: int = 1  # ranks per head the tree may use
     total_tokens: int = 1  # tree size
     checkpoint: str = ""
-    ranges = {"heads": (1, DEPTH), "top_k": (1, 8), "total_tokens": (1, 128)}
+    ranges = {"heads": (1, 8), "top_k": (1, 8), "total_tokens": (1, 128)}  # heads: up to the checkpoint's
 
     PAPER = {"heads": 4, "top_k": 4, "total_tokens": 16}
 
@@ -107,7 +120,7 @@ class MedusaDrafter(HeadDrafter):
         if depth < 1 or state.x is None:
             return DraftTree.empty()
         head_in = torch.cat([self.net.head((), state.x, d) for d in range(1, depth + 1)])
-        logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)  # [depth, V']
+        logp = torch.log_softmax(self.net.logits(head_in, self.frozen).float(), dim=-1)  # [depth, V']
         top_logp, top = logp.topk(self.settings.top_k, dim=-1)
         n = int((self.depth_of < depth).sum())  # choices are sorted by length: the shallow ones come first
         d, r = self.depth_of[:n].to(top.device), self.rank_of[:n].to(top.device)

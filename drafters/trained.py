@@ -14,7 +14,8 @@ from torch import nn
 from specviz.core.packing import pack_linears
 from specviz.core.protocol import Commit, Drafter
 
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError
+from .published import load_any
 from .vocab_head import FrozenTarget
 
 
@@ -23,8 +24,8 @@ class TrainedDrafter(Drafter):
 
     def __init__(self, target, settings):
         self.settings = settings
-        state, self.card = load_checkpoint(settings.checkpoint, self.name, target)
-        self.net, self.frozen = self.restore(target, state)
+        state, self.card = load_any(settings.checkpoint, self.name, target)  # specviz's own or a published one
+        self.net, self.frozen = self.restore(target, state, self.card.get("network"))
         if getattr(target, "packed_linears", 0):  # decoding only: a network that trains must not be packed
             pack_linears(self.net)
             self.frozen.pack()
@@ -34,8 +35,9 @@ class TrainedDrafter(Drafter):
 
     # -- the training protocol ----------------------------------------------------------------
     @classmethod
-    def new_network(cls, target) -> nn.Module:
-        """A freshly initialised network for ``target``."""
+    def new_network(cls, target, **shape) -> nn.Module:
+        """A freshly initialised network for ``target``; ``shape`` is a published checkpoint's own (its card's
+        ``network``: widths, heads, variants), where it differs from what specviz trains."""
         raise NotImplementedError
 
     @classmethod
@@ -56,16 +58,21 @@ class TrainedDrafter(Drafter):
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
-    def restore(cls, target, state: dict[str, torch.Tensor]) -> tuple[nn.Module, FrozenTarget]:
-        """``new_network(target)`` loaded from ``state``, plus the frozen head of its draft vocabulary."""
+    def restore(cls, target, state: dict[str, torch.Tensor],
+                network: dict | None = None) -> tuple[nn.Module, FrozenTarget]:
+        """``new_network(target, **network)`` loaded from ``state``, plus the frozen head of its draft vocabulary
+        (or the checkpoint's own head, ``lm_head``, over that vocabulary)."""
         state = dict(state)
-        vocab_map = state.pop("vocab_map", None)
+        vocab_map, head = state.pop("vocab_map", None), state.pop("lm_head", None)
         if vocab_map is None:
             raise CheckpointError(f"{cls.name} checkpoint has no vocab_map tensor")
         if int(vocab_map.max()) >= target.vocab_size:
             raise CheckpointError(f"{cls.name} checkpoint's draft vocabulary reaches id {int(vocab_map.max())}, "
                                   f"beyond this target's vocab of {target.vocab_size}")
-        net = cls.new_network(target)
+        if head is not None and head.shape != (vocab_map.numel(), target.config.hidden_size):
+            raise CheckpointError(f"{cls.name} checkpoint's draft head has shape {tuple(head.shape)}, not "
+                                  f"({vocab_map.numel()}, {target.config.hidden_size})")
+        net = cls.new_network(target, **(network or {}))
         own = set(net.state_dict())
         missing, unexpected = sorted(own - set(state)), sorted(set(state) - own)
         if missing or unexpected:  # checked first: names the weights of another method plainly
@@ -77,7 +84,7 @@ class TrainedDrafter(Drafter):
             detail = " ".join(str(e).split())[:300]
             raise CheckpointError(f"{cls.name} checkpoint does not fit this target: {detail}") from None
         net = net.to(device=target.device, dtype=target.dtype).eval()
-        return net, FrozenTarget(target, vocab_map)
+        return net, FrozenTarget(target, vocab_map, head)
 
     def check_settings(self, settings) -> None:
         """Reject settings this checkpoint cannot serve (a method overrides it where some cannot)."""

@@ -23,15 +23,26 @@ def draft_vocabulary(tokens: torch.Tensor, size: int, vocab_size: int, always=()
 
 
 class FrozenTarget:
-    """Embeddings and the draft-vocabulary rows of the LM head, both frozen."""
+    """Embeddings and the draft-vocabulary rows of the LM head, both frozen.
 
-    def __init__(self, target, vocab_map: torch.Tensor):
+    ``head`` replaces the target's rows with a drafter's own head over the same draft vocabulary (a
+    published EAGLE-3 checkpoint trains one). The whole vocabulary shares the target's head, uncopied."""
+
+    def __init__(self, target, vocab_map: torch.Tensor, head: torch.Tensor | None = None):
         model = target.model
         self.embedding = model.get_input_embeddings()
         self.vocab_map = vocab_map.long().to(target.device)
-        head = model.get_output_embeddings().weight.detach()[self.vocab_map]
-        self.head = head.to(target.dtype).clone()  # [V', H], in the drafter's dtype
-        self.packed_head: torch.Tensor | None = None
+        if head is not None:
+            if head.shape != (self.vocab_map.numel(), target.config.hidden_size):
+                raise ValueError(f"a draft head of shape {tuple(head.shape)} does not fit a draft vocabulary of "
+                                 f"{self.vocab_map.numel()} tokens and hidden size {target.config.hidden_size}")
+            self.head = head.detach().to(device=target.device, dtype=target.dtype)
+        else:
+            weight = model.get_output_embeddings().weight.detach()
+            whole = self.vocab_map.numel() == weight.shape[0] and bool(
+                (self.vocab_map == torch.arange(weight.shape[0], device=self.vocab_map.device)).all())
+            self.head = weight.to(target.dtype) if whole else weight[self.vocab_map].to(target.dtype).clone()
+        self.packed_head: torch.Tensor | None = None  # [V', H] above, in the drafter's dtype
 
     def pack(self) -> None:
         """Decode on a packed copy of the head (``core.packing``); the head is frozen, so it never goes stale."""

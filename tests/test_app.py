@@ -203,3 +203,6 @@ def test_a_target_that_cannot_load_is_a_clear_exit(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as stopped:
         module.main(["--target", str(tmp_path), "--tune", "off"])
     assert str(stopped.value).startswith(f"specviz: could not load model '{tmp_path}'")
+    args = module.parse_args(["--drafter", "eagle3=./no-such-eagle", "--drafter", "medusa"])
+    assert "--drafter 'eagle3=./no-such-eagle': no such folder" in module.missing_folders(args)
+    assert "write METHOD=HF_ID_OR_FOLDER" in module.missing_folders(module.parse_args(["--drafter", "medusa"]))

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = sorted((ROOT / "specviz" / "core").glob("*.py"))
-DRAFTERS = sorted((ROOT / "drafters").glob("*.py"))
+DRAFTERS = sorted((ROOT / "drafters").rglob("*.py"))
 APPS = sorted((ROOT / "specviz" / "apps").rglob("*.py"))
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m specviz {generate,bench,profile,report,data,train,validate,tune,sweep,methods}``.
+"""Command line: ``python -m specviz {generate,bench,profile,report,data,train,validate,tune,sweep,export,methods}``.
 
 This module parses arguments and calls: each command's work is in the module named beside it."""
 
@@ -9,10 +9,23 @@ import json
 import sys
 from pathlib import Path
 
-from drafters import METHODS
+from drafters import METHODS, checkpoint_sources, with_checkpoints
 from specviz.core.errors import SpecvizError
 from specviz.core.files import atomic_write
 from specviz.core.verify import RULES, Sampling
+
+EMBEDDED_SOURCE = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded GGUF was quantised from
+EXPORT_FORMATS = ("eagle", "eagle3", "speculators", "medusa")
+VLLM = ("vllm serve {base} --speculative-config "
+        "'{{\"method\": \"%s\", \"model\": \"{out}\", \"num_speculative_tokens\": %d}}'")
+SGLANG = ("python -m sglang.launch_server --model-path {base} --speculative-algorithm %s "
+          "--speculative-draft-model-path {out}")
+SERVE = {  # (format, server) -> the command that serves an export (docs/serving.md: the loaders it was checked against)
+    ("eagle", "vllm"): VLLM % ("eagle", 3), ("eagle", "sglang"): SGLANG % "EAGLE",
+    ("eagle3", "vllm"): VLLM % ("eagle3", 3), ("eagle3", "sglang"): SGLANG % "EAGLE3",
+    ("speculators", "vllm"): VLLM % ("eagle3", 3),
+    ("medusa", "vllm"): VLLM % ("medusa", 4) + "  (vLLM 0.32.0 or older)",
+}
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -26,6 +39,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--rule", default="auto", choices=["auto", *RULES], help="acceptance rule (typical is lossy)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--drafter", action="append", default=[], metavar="METHOD=ID_OR_DIR",
+                   help="METHOD's checkpoint: a folder or model-hub id, specviz's own or a published EAGLE-1/2, "
+                        "HASS, EAGLE-3, speculators or Medusa one (repeatable)")
 
 
 def _kernels_arg(p: argparse.ArgumentParser) -> None:
@@ -149,8 +165,26 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--export", default=None, metavar="DIR",
                     help="also copy the budgets into DIR, for a Space to ship (read via SPECVIZ_BUDGETS)")
 
+    ex = sub.add_parser("export", help="write a drafter trained here in the layout vLLM and SGLang load")
+    ex.add_argument("method", help="eagle2 or hass (--format eagle), eagle3 (eagle3, speculators), medusa (medusa)")
+    ex.add_argument("--format", required=True, choices=EXPORT_FORMATS)
+    ex.add_argument("--out", required=True, help="the folder to write (config.json and safetensors)")
+    ex.add_argument("--checkpoint", default=None, help="checkpoint folder (default: the shipped one)")
+    ex.add_argument("--target", default=None, help="the target it was trained for (default: embedded)")
+    ex.add_argument("--base", default=None,
+                    help="the target as the exported config names it, for the server to load (default: --target, "
+                         f"or {EMBEDDED_SOURCE} for the embedded one)")
+    ex.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ex.add_argument("--server", default="vllm", choices=["vllm", "sglang"],
+                    help="where the two read a layout differently (EAGLE's class name, EAGLE-3's explicit layer ids)")
+
     sub.add_parser("methods", help="list the methods and their settings")
     return parser
+
+
+def _with_drafters(args, specs: list[str]) -> list[str]:
+    """The method specs with the checkpoints ``--drafter`` names."""
+    return with_checkpoints(specs, checkpoint_sources(args.drafter))
 
 
 def _sampling(args) -> Sampling:
@@ -170,7 +204,8 @@ def cmd_generate(args) -> None:  # apps.generate
     if not args.prompt.strip():
         raise SpecvizError("the prompt is empty")
     colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    generate_and_report(_target(args), args.method, args.prompt, args.max_new_tokens, sampling, colour)
+    method = _with_drafters(args, [args.method])[0]
+    generate_and_report(_target(args), method, args.prompt, args.max_new_tokens, sampling, colour)
 
 
 def cmd_bench(args) -> None:  # apps.bench (the loop) and apps.runlog (its log, --part and --resume)
@@ -181,7 +216,7 @@ def cmd_bench(args) -> None:  # apps.bench (the loop) and apps.runlog (its log, 
     from .tuning import resolved_budgets
 
     sampling = _sampling(args)
-    methods = [m for m in args.methods.split(",") if m.strip()]
+    methods = _with_drafters(args, [m for m in args.methods.split(",") if m.strip()])
     questions = load_questions(args.questions, args.limit, args.per_category)
     target = _target(args)
     settings = bench_settings(target, methods, questions, args.max_new_tokens, sampling, args.dtype)
@@ -270,8 +305,9 @@ def cmd_sweep(args) -> None:  # apps.sweep
     except ValueError:
         raise SpecvizError(f"--temperatures must be numbers separated by commas, got {args.temperatures!r}") from None
     questions = load_questions(args.questions, per_category=args.per_category)
-    sweep_to_file(_target(args), args.methods.split(","), questions, temperatures, args.rules.split(","),
-                  args.max_new_tokens, args.seed or 0, Path(args.out))
+    methods = _with_drafters(args, args.methods.split(","))
+    sweep_to_file(_target(args), methods, questions, temperatures, args.rules.split(","), args.max_new_tokens,
+                  args.seed or 0, Path(args.out))
     print(f"wrote {args.out}")
 
 
@@ -285,6 +321,23 @@ def cmd_tune(args) -> None:  # apps.tuning
     tune_and_report(_target(args), names, args.refresh, Path(args.export) if args.export else None)
 
 
+def cmd_export(args) -> None:  # drafters.published
+    from drafters.published import export
+    from specviz.core.load import load_target
+
+    target = load_target(args.target, "float32", "cpu", pack=False)  # read for its head, embedding and shape
+    base = args.base or args.target or EMBEDDED_SOURCE
+    done = export(args.method, args.checkpoint, args.format, Path(args.out), target, base, args.dtype, args.server)
+    print(f"wrote {', '.join(done.files)} to {done.folder}")
+    notes = list(done.notes)
+    if not args.target and not args.base:
+        notes.append(f"the embedded target is a Q4_1 GGUF of {EMBEDDED_SOURCE}, dequantized; the drafter was "
+                     "trained on that, and serves best beside the same weights")
+    for note in notes:
+        print(f"note: {note}")
+    print(f"serve it: {SERVE[args.format, args.server].format(out=done.folder, base=base)}")
+
+
 def cmd_methods(_args) -> None:
     from dataclasses import fields
 
@@ -295,7 +348,7 @@ def cmd_methods(_args) -> None:
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "report": cmd_report,
             "methods": cmd_methods, "train": cmd_train, "data": cmd_data, "tune": cmd_tune, "sweep": cmd_sweep,
-            "validate": cmd_validate}
+            "validate": cmd_validate, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

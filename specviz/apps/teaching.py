@@ -190,6 +190,9 @@ def checkpoint_facts(card: dict) -> str:
     """What a trained checkpoint saw and how well it agrees with the target, from its card."""
     data, training = card.get("data") or {}, card.get("training") or {}
     facts = []
+    if published := card.get("published"):  # not trained here: its source says what it is
+        facts.append(f"published checkpoint {published.get('source')} ({published.get('layout')} layout), "
+                     "trained by its authors, not by specviz")
     if "train_samples" in data:
         distilled = "self-distilled " if data.get("self_distilled") else ""
         facts.append(f"{data['train_samples']:,} {distilled}ShareGPT prompts")

@@ -95,11 +95,12 @@ class AppState:
 
 def load_state(target: str | None = None, dtype: str = "auto", device: str | None = None,
                assistant: str | None = None, warm_up=None, tune: str = "background",
-               drafters: str | None = None, stage=None) -> AppState:
+               drafters: str | None = None, stage=None, checkpoints: dict[str, str] | None = None) -> AppState:
     """Load the target and every drafter on the engine thread and run ``warm_up(state)`` there; then tune
     each method's budget (``tuning``) as ``tune`` says (``tuner.MODES``): "background" returns at once and
     tunes between requests, "now" before returning, "off" never. ``drafters``: a folder with a checkpoint
-    subfolder per trained method, used instead of the shipped ones (drafters trained for another target).
+    subfolder per trained method, used instead of the shipped ones (drafters trained for another target);
+    ``checkpoints``: method -> a folder or model-hub id, specviz's own or published (``--drafter``), which wins.
     ``stage(text)`` is told each stage as it starts (the starting page shows them)."""
     if tune not in tuner.MODES:
         raise SpecvizError(f"tune must be one of {', '.join(tuner.MODES)}, got {tune!r}")
@@ -116,6 +117,8 @@ def load_state(target: str | None = None, dtype: str = "auto", device: str | Non
         for name, (cls, _) in METHODS.items():
             if cls.trained and (folder / name).is_dir():
                 configured[name] = {"checkpoint": str(folder / name)}
+    for name, source in (checkpoints or {}).items():  # a published one that cannot load makes the method unavailable
+        configured[name] = {"checkpoint": source}
     state = AppState(model, configured=configured, engine=engine)
     if tune == "now":  # before the drafters are built, so each is built once, at its tuned budget
         stage("measuring each method's budget on this machine (--tune now)")
