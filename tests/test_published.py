@@ -132,6 +132,11 @@ def test_a_layout_runs_only_as_its_method_and_a_pickle_holds_only_tensors(target
     eagle_model(target, tmp_path / "eagle")
     with pytest.raises(CheckpointError, match="runs as eagle2 or hass, not eagle3"):
         build_drafter("eagle3", target, checkpoint=str(tmp_path / "eagle"))
+    shutil.copytree(tmp_path / "eagle", tmp_path / "norms")  # HASS's variant with extra norms: not EAGLE's network
+    state = torch.load(tmp_path / "norms" / "pytorch_model.bin", weights_only=True)
+    torch.save({**state, "embedding_layernorm.weight": torch.ones(64)}, tmp_path / "norms" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="no place for: \\['embedding_layernorm.weight'\\]"):
+        build_drafter("hass", target, checkpoint=str(tmp_path / "norms"))
     shutil.copytree(tmp_path / "eagle", tmp_path / "code")
     torch.save({"fc.weight": torch.zeros(2), "hook": torch.nn.Linear(2, 2)}, tmp_path / "code" / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="unreadable|not plain tensors"):

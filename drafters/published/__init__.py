@@ -39,6 +39,26 @@ NO_SERVING = {
 }
 
 
+IGNORED = ("embed_tokens.weight", "t2d", "inv_freq", "verifier_lm_head.weight", "verifier_norm.weight")  # the
+# target's own copies, derived tables and buffers: read from the target or recomputed, never trained
+
+
+class Tracked(dict):
+    """A state dict that records which keys a layout read, so a tensor it has no place for is never dropped silently."""
+
+    def __init__(self, state):
+        super().__init__(state)
+        self.seen: set[str] = set()
+
+    def __getitem__(self, key):
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.seen.add(key)
+        return super().get(key, default)
+
+
 def _kind(source: str | Path) -> str:
     """'native' (a folder with a specviz card), 'published' (a folder with a config, or a hub id) or 'missing'."""
     path = Path(source).expanduser()
@@ -58,7 +78,11 @@ def read_published(source: str | Path, method: str, target) -> tuple[dict[str, t
     if method not in layout.METHODS:
         raise CheckpointError(f"{source} is a {layout.TITLE} checkpoint, which runs as "
                               f"{' or '.join(layout.METHODS)}, not {method}")
-    native, fields = layout.read(config, state, target, source)
+    read = Tracked(state)
+    native, fields = layout.read(config, read, target, source)
+    if unread := sorted(k for k in set(state) - read.seen if not k.endswith(IGNORED)):
+        raise CheckpointError(f"{source} holds weights the {layout.TITLE} network has no place for: {unread[:4]}"
+                              " (a variant specviz does not run, such as extra norms)")
     card = {"method": method, "title": f"{layout.TITLE}: {source}",
             "published": {"layout": layout.NAME, "source": str(source)}, **fields}
     check_target(card, target, f"{method} checkpoint {source}")

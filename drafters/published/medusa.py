@@ -39,9 +39,9 @@ class Medusa:
     @staticmethod
     def read(config: dict, state: dict[str, torch.Tensor], target, source) -> tuple[dict, dict]:
         found: dict[tuple[int, int, str], torch.Tensor] = {}
-        for key, value in state.items():
+        for key in list(state):
             if m := KEY.match(key):
-                found[(int(m[1]), int(m[2]), m[3])] = value
+                found[(int(m[1]), int(m[2]), m[3])] = state[key]
         if not found:
             raise CheckpointError(f"{source} holds no Medusa head weights ({{head}}.{{layer}}.linear.weight)")
         heads = int(config.get("medusa_num_heads") or 1 + max(h for h, _, _ in found))
