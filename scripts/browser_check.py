@@ -108,8 +108,9 @@ def go_to_most_accepted_step(page, method: str, timeout: float) -> str:
     return page.locator("#step-info").inner_text().split("\n")[0]
 
 
-def take_shots(page, folder: str, method: str, timeout: float) -> dict:
-    """race.png: the prompt to the plots; step.png: the step-through view at its most accepted step."""
+def take_shots(page, folder: str, method: str, timeout: float, widths=(1280, 390)) -> dict:
+    """race-W.png at each window width W: the prompt to the plots (to the columns on a phone, where they stack);
+    step.png: the step-through view at its most accepted step."""
     from pathlib import Path
 
     Path(folder).mkdir(parents=True, exist_ok=True)
@@ -121,7 +122,12 @@ def take_shots(page, folder: str, method: str, timeout: float) -> dict:
         page.screenshot(path=path, full_page=True, clip={"x": 0, "y": y - 8, "width": page.viewport_size["width"],
                                                           "height": height + 16})
 
-    region("#run", "#plot-latency", f"{folder}/race.png")
+    for width in widths:
+        page.set_viewport_size({"width": width, "height": 1900})
+        page.wait_for_timeout(800)  # the columns and plots reflow
+        region("#run", "#plot-latency" if width >= 800 else "#race-columns", f"{folder}/race-{width}.png")
+    page.set_viewport_size({"width": 1500, "height": 1900})
+    page.wait_for_timeout(800)
     shown = ""
     if method:
         page.locator("#tree-method input").click()
@@ -132,7 +138,7 @@ def take_shots(page, folder: str, method: str, timeout: float) -> dict:
         shown = go_to_most_accepted_step(page, method, timeout)
         page.wait_for_timeout(1500)  # the tree figure redraws after the text
         region("#tree-method", "#step-info", f"{folder}/step.png")
-    return {"race": f"{folder}/race.png", "step": shown}
+    return {"race": [f"{folder}/race-{width}.png" for width in widths], "step": shown}
 
 
 def check_controls(page, method: str, methods: list[str], timeout: float) -> dict:
@@ -196,8 +202,9 @@ def main() -> None:
     p.add_argument("--layout-widths", default="", help="window widths at which to check the columns' layout")
     p.add_argument("--step-through", default="", help="methods to walk in the step-through view (arrow keys)")
     p.add_argument("--preset", choices=("paper", "fastest"), default=None, help="click this preset before Run")
-    p.add_argument("--shots", default=None, help="folder for the README's pictures: race.png (the columns and "
-                   "plots) and step.png (the first --step-through method at a step that accepted the most drafts)")
+    p.add_argument("--shots", default=None, help="folder for the README's pictures: race-1280.png and race-390.png "
+                   "(the columns and plots at a laptop's and a phone's width) and step.png (the first --step-through "
+                   "method at a step that accepted the most drafts)")
     p.add_argument("--controls", default="", help="a method with a paper preset: also check the presets, the "
                                                   "rule selector and Stop")
     args = p.parse_args()

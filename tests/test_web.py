@@ -284,10 +284,16 @@ def test_a_trained_method_note_says_what_its_checkpoint_saw():
     assert teaching.checkpoint_facts({"method": "x"}) == "no training facts on its card"
 
 
-def test_the_page_builds_without_a_server(state):
+def test_the_page_builds_without_a_server(state, monkeypatch):
     demo = build_demo(state)
     ids = {c.get("props", {}).get("elem_id") for c in demo.config["components"]}
     assert {"run", "stop", "methods", "plot-alpha", "plot-tree", "col-ar"} <= ids
+    sliders = [f for f in demo.fns.values() if any(event == "load" for _, event in f.targets)
+               and all(getattr(o, "elem_id", "").startswith("set-") for o in f.outputs)]
+    assert len(sliders) == 1  # a page opened after tuning starts at the budgets, not the layout's baked defaults
+    at = [o.elem_id for o in sliders[0].outputs].index("set-pld-num_tokens")
+    monkeypatch.setitem(state.configured, "pld", {"num_tokens": 7})
+    assert sliders[0].fn()[at] == 7
 
 
 def test_spaces_helpers_off_a_space():

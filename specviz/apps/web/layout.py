@@ -102,6 +102,9 @@ def build_demo(state: AppState) -> gr.Blocks:
                                                      elem_id=f"set-{s.method}-{s.name}")
                                            for s in specs if s.method == method]
             fastest.click(lambda: handlers.preset("fastest"), None, setting_inputs, **private)
+            # the sliders were laid out before the background tuning ended: a page opened later starts at the
+            # budgets tuned so far, not at the untuned defaults baked into the layout
+            demo.load(lambda: handlers.preset("fastest"), None, setting_inputs, queue=False, **private)
             paper.click(lambda: handlers.preset("paper"), None, setting_inputs, **private)
             gr.Examples(examples(), inputs=prompt, cache_examples=False)
             with gr.Row():
