@@ -168,7 +168,10 @@ def test_benchmark_streams_a_table_per_prompt(client):
     job = client.submit("mt-bench", "first N", 2, ["ar", "pld"], 16, api_name="/benchmark")
     outputs = [o for o in job]
     table, csv, status = outputs[-1]
-    assert len(outputs) == 2 and "2 of 2 questions" in status
+    statuses = [o[2].splitlines()[0] for o in outputs]  # at once, then after each question: which one runs now
+    assert len(outputs) == 3 and statuses[0].startswith("0 of 2 questions done · running question 1 of 2 (")
+    assert "1 of 2 questions done" in statuses[1] and "running question 2 of 2" in statuses[1]
+    assert "2 of 2 questions done" in status and "running" not in statuses[2]
     assert [row[0] for row in table["data"]] == ["ar", "pld"] and csv
 
 

@@ -115,18 +115,29 @@ class Handlers:
         try:
             questions, picked, max_new_tokens, notes = self._bench_request(question_set, subset, count, methods,
                                                                            max_new_tokens, (8, 128))
+            total = len(questions)
+
+            def running(n: int) -> str:  # what the engine is on now: the next question, by number and category
+                return (f" · running question {n + 1} of {total} ({questions[n].category}) with "
+                        f"{', '.join(picked)}, then AR" if n < total else "")
+
+            yield views.benchmark_table(None), None, "\n".join([f"0 of {total} questions done{running(0)}", *notes])
+            progress((0, total), desc=f"question 1 of {total}")
             steps = state.on_engine_thread(bench_steps(state.target, picked, questions, max_new_tokens=max_new_tokens))
             folder, deadline = tempfile.mkdtemp(), time.perf_counter() + BENCH_BUDGET_S
             for result in steps:
+                n, going = len(result.per_prompt), result.interrupted  # all but the last result are interrupted
                 if time.perf_counter() > deadline and result.interrupted:
                     notes.append(f"stopped at this page's budget of {BENCH_BUDGET_S / 60:.0f} min; "
                                  "`python -m specviz bench` runs any number of questions")
                     steps.close()
+                    going = False
                 table = views.benchmark_table(result)
-                path = os.path.join(folder, f"specviz-{question_set}-{len(result.per_prompt)}q.csv")
+                path = os.path.join(folder, f"specviz-{question_set}-{n}q.csv")
                 table.to_csv(path, index=False)
-                done = f"{len(result.per_prompt)} of {len(questions)} questions on {result.machine}"
-                yield table, path, "\n".join([done, *notes])
+                progress((n, total), desc=f"question {min(n + 1, total)} of {total}")
+                now = running(n) if going else ""
+                yield table, path, "\n".join([f"{n} of {total} questions done on {result.machine}{now}", *notes])
         except SpecvizError as e:
             raise gr.Error(str(e)) from None
 
