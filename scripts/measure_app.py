@@ -35,10 +35,12 @@ PROMPT = "Explain in a short paragraph why the sky is blue."
 
 
 def tokens_in(column: str) -> int:
-    return int(re.search(r"· (\d+) tokens", column).group(1))
+    return int(re.search(r"· (\d+) / \d+ tokens", column).group(1))  # the header's "n / max tokens"
 
 
-SERVER = {"env": dict(os.environ), "cores": None}  # where the app and the CLI run (see --split-cores)
+# where the app and the CLI run (see --split-cores); no background tuning: it would share the server's core with
+# the runs measured, and the CLI and the page then race the same (fixed) settings
+SERVER = {"env": {**os.environ, "SPECVIZ_TUNE": "off"}, "cores": None}
 
 
 def on_server_cores() -> None:
@@ -47,7 +49,9 @@ def on_server_cores() -> None:
 
 
 def cli(method: str, n: int) -> float:
-    out = subprocess.run([sys.executable, "-m", "specviz", "generate", "--method", method, "--max-new-tokens", str(n),
+    """The CLI at the settings the app runs with tuning off (``SERVER``'s env): the methods' fixed defaults."""
+    spec = method if method == "ar" else f"{method}:preset=fixed"
+    out = subprocess.run([sys.executable, "-m", "specviz", "generate", "--method", spec, "--max-new-tokens", str(n),
                           "--prompt", PROMPT, "--color", "never"], capture_output=True, text=True, cwd=ROOT,
                          env=SERVER["env"], preexec_fn=on_server_cores).stdout
     return float(re.search(r"tokens in [\d.]+ s = ([\d.]+) tok/s", out).group(1))
@@ -102,7 +106,7 @@ def main() -> None:
     p.add_argument("--split-cores", action="store_true", help="server and CLI on core 0 (1 thread), the rest on core 1")
     args = p.parse_args()
     if args.split_cores:
-        SERVER.update(env={**os.environ, "OMP_NUM_THREADS": "1"}, cores={0})
+        SERVER.update(env={**SERVER["env"], "OMP_NUM_THREADS": "1"}, cores={0})
         os.sched_setaffinity(0, {1})  # this script, its client and chromium
     port = free_port()
     env = {**SERVER["env"], "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False",

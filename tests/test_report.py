@@ -20,6 +20,7 @@ def test_every_layout_gets_its_place_and_nothing_crashes(tmp_path, monkeypatch, 
     shutil.copy(bench, tmp_path / "a.json.xz")  # a second file: sections in name order
     shutil.copy(report.BENCH_DIR / "profile_cuda_bf16_h100.json", tmp_path / "profile.json")
     shutil.copy(report.BENCH_DIR / "sweep_mtbench16_fp32_cpu.json", tmp_path / "sweep.json")
+    shutil.copy(report.BENCH_DIR / "app_vs_cli_avx2_fp32.json", tmp_path / "app.json")
     (tmp_path / "cut.json.xz").write_bytes(b"\xfd7zXZ\x00 cut short")
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "broken_bench.json").write_text(json.dumps({"methods": {}, "per_prompt": [{}]}))
@@ -28,7 +29,9 @@ def test_every_layout_gets_its_place_and_nothing_crashes(tmp_path, monkeypatch, 
     assert doc == report.results_doc(tmp_path)  # the same files, the same page
     sections = [line for line in doc.splitlines() if line.startswith("#")]
     assert sections == ["# Results", "## Benchmarks", "### `a.json.xz`", "### `b.json.xz`", "## Verify-cost curves",
-                        "## Temperature sweeps", "### `sweep.json`", "## Other files"]
+                        "## Temperature sweeps", "### `sweep.json`", "## The app against the CLI", "### `app.json`",
+                        "## Other files"]
+    assert "| ar | browser | 8.3 | 0.89 |" in doc and "first token on screen: 0.65–0.74 s" in doc
     assert "| `profile.json` | NVIDIA H100 80GB HBM3 | bfloat16 | chain | 256 | 2026-11-26 | 1: " in doc
     assert doc.count("| `ar` | 1.00 |") == 2 and "| `hf` | – | – | – |" in doc
     assert "- `broken_bench.json`\n- `cut.json.xz`\n- `list.json`" in doc and "notes.txt" not in doc

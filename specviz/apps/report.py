@@ -100,10 +100,21 @@ def _bench_section(name: str, result: BenchResult) -> str:
     return f"### `{name}`\n\n{headline(result)}{state}\n\n{bench_report(result)}"
 
 
+def _app_speed_section(name: str, d: dict) -> str:
+    """``scripts/measure_app.py``'s medians: tokens/s through each way into the app, against the CLI's."""
+    rows = [f"| {key.split(' ', 1)[0]} | {key.split(' ', 1)[1]} | {v['tok_s']:.1f} | {v['x_cli']:.2f} |"
+            for key, v in d["summary"].items()]
+    low, high = d["first_token_on_screen_s"]
+    return (f"### `{name}`\n\n`{d['command']}` on {d['machine']}, {d['date']}; {d['dtype']}; {d['settings']}; "
+            f"{d['max_new_tokens']} tokens.\n\n" + markdown_rows(["method", "through", "tok/s", "× CLI"], rows)
+            + f"\n\nRun to first token on screen: {low:.2f}–{high:.2f} s; chromium kept "
+            f"{d['chromium_cores_median']:.2f} cores busy during a run (median).")
+
+
 def results_doc(folder: Path | None = None) -> str:
     """``docs/results.md``: every results file in ``folder`` as a section, benches first, then the verify-cost
     curves and the temperature sweeps; files of another layout are named, not read."""
-    benches, profiles, sweeps, reliability, other = [], [], [], [], []
+    benches, profiles, sweeps, reliability, app, other = [], [], [], [], [], []
     for path in sorted(p for p in Path(folder or BENCH_DIR).iterdir() if p.name.endswith((".json", ".json.xz"))):
         d = _read(path)
         if d is not None and {"methods", "per_prompt"} <= d.keys():
@@ -117,6 +128,9 @@ def results_doc(folder: Path | None = None) -> str:
             continue
         elif d is not None and isinstance(d.get("rows"), list):
             sweeps.append(_sweep_section(path.name, d))
+            continue
+        elif d is not None and {"summary", "first_token_on_screen_s"} <= d.keys():
+            app.append(_app_speed_section(path.name, d))
             continue
         elif d is not None and {"cases", "outcomes", "failures"} <= d.keys():
             reliability.append(_reliability_section(path.name, d))
@@ -135,6 +149,8 @@ def results_doc(folder: Path | None = None) -> str:
         parts.append("## Temperature sweeps\n\n" + "\n\n".join(sweeps))
     if reliability:
         parts.append("## Reliability\n\n" + "\n\n".join(reliability))
+    if app:
+        parts.append("## The app against the CLI\n\n" + "\n\n".join(app))
     if other:
         parts.append("## Other files\n\nNot a layout this page reads:\n\n" + "\n".join(other))
     return "\n\n".join(parts) + "\n"
