@@ -133,6 +133,7 @@ def test_step_html_colours_hovers_and_escapes():
     assert ('<span class="sv-acc" title="step 1 · depth 1 · accepted draft · draft p 0.500 · target p 0.900">'
             '&lt;b&gt;</span>' in body)
     assert 'class="sv-rej"' in body and ">x<" in body  # node 2 (child of the accepted node 1) was rejected
+    assert '<span class="sv-rejn" tabindex="0" title="1 rejected at depth 2">✗1<span class="sv-rejl">' in body
     assert ">y<" not in body  # node 3 is not a child of the last accepted node
     assert 'class="sv-bonus"' in body and "&amp;" in body and "target correction token" in body
     assert "sv-rej" not in render.step_html(fake_record(), lambda ids: decode(ids[0]), show_rejected=False)

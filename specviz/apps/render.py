@@ -31,6 +31,8 @@ CSS = """
 .sv-acc { background: #d7f0dd; border-bottom: 2px solid #2e9e4f; }
 .sv-bonus { background: #fbe7c2; border-bottom: 2px solid #d98c00; }
 .sv-rej { color: #c0392b; text-decoration: line-through; opacity: 0.7; }
+.sv-rejn { color: #c0392b; font-size: 0.7em; vertical-align: super; cursor: help; }
+.sv-rejn .sv-rejl { display: none; } .sv-rejn:hover .sv-rejl, .sv-rejn:focus .sv-rejl { display: inline; }
 .sv-nodes { font-size: 0.85em; border-collapse: collapse; }
 .sv-nodes td, .sv-nodes th { padding: 1px 6px; white-space: nowrap; }
 .sv-nodes tr.sv-accepted { background: #d7f0dd; } .sv-nodes tr.sv-rejected { background: #f8dcd8; }
@@ -79,11 +81,14 @@ def step_html(record: StepRecord, decode, show_rejected: bool) -> str:
 
     for node, token in zip(record.path, record.tokens):
         out.append(_span("acc", decode([token]), node_title(node - 1, "accepted draft")))
-    if show_rejected and len(tree):
+    if show_rejected and len(tree):  # a count per step; hover or tap (focus) opens the struck-through drafts
         last = record.path[-1] if record.path else 0
-        for i, parent in enumerate(tree.parents.tolist()):
-            if parent == last and i + 1 not in record.path:
-                out.append(_span("rej", decode([int(tree.tokens[i])]), node_title(i, "rejected draft")))
+        rejected = [_span("rej", decode([int(tree.tokens[i])]), node_title(i, "rejected draft"))
+                    for i, parent in enumerate(tree.parents.tolist()) if parent == last and i + 1 not in record.path]
+        if rejected:
+            count = f'title="{len(rejected)} rejected at depth {len(record.path) + 1}">✗{len(rejected)}'
+            listed = f'<span class="sv-rejl">{"".join(rejected)}</span>'
+            out.append(f'<span class="sv-rejn" tabindex="0" {count}{listed}</span>')
     if len(record.tokens) > len(record.path):  # the bonus (it may be cut at the length limit)
         kind = "correction" if record.corrected else "bonus"
         title = (f"step {record.step} · depth {len(record.path) + 1} · target {kind} token · "

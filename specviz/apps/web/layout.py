@@ -89,8 +89,9 @@ def build_demo(state: AppState) -> gr.Blocks:
                                          info="sampling: the same seed gives the same race")
                     rule = gr.Dropdown(RULE_CHOICES, value="auto", label="Acceptance rule", elem_id="rule",
                                        info="typical acceptance is lossy: its outputs need not follow the target")
-                    show_rejected = gr.Checkbox(value=False, label="Show rejected drafts (struck through)",
-                                                info="off: each column reads as the target's own text")
+                    show_rejected = gr.Checkbox(value=False, label="Show rejected drafts (a count per step)",
+                                                info="✗n after a step: hover or tap it for the struck-through "
+                                                     "drafts; off: each column reads as the target's own text")
             setting_inputs = []
             with gr.Row():
                 fastest = gr.Button("Preset: fastest on this machine", size="sm", elem_id="preset-fastest")
