@@ -62,16 +62,26 @@ def ship_checkpoint(source: Path, method: str) -> Path:
     return folder
 
 
+def read_json_object(path: Path, what: str, expected: str) -> dict:
+    """The JSON object in ``path`` (a card, a published config); ``what`` names it and ``expected`` says what it
+    should be, in the errors."""
+    if not path.exists():
+        raise CheckpointError(f"no {what} at {path}")
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{what} {path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{what} {path} is not {expected}")
+    return value
+
+
 def read_card(folder: Path) -> dict:
     path = Path(folder) / CARD
-    if not path.exists():
-        raise CheckpointError(f"no checkpoint card at {path}")
-    try:
-        card = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint card {path} is not valid JSON ({e})") from None
-    if not isinstance(card, dict) or not isinstance(card.get("target", {}), dict):
-        raise CheckpointError(f"checkpoint card {path} is not a card (expected an object with method and target)")
+    expected = "a card (expected an object with method and target)"
+    card = read_json_object(path, "checkpoint card", expected)
+    if not isinstance(card.get("target", {}), dict):
+        raise CheckpointError(f"checkpoint card {path} is not {expected}")
     return card
 
 

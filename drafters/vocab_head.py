@@ -32,10 +32,7 @@ class FrozenTarget:
         model = target.model
         self.embedding = model.get_input_embeddings()
         self.vocab_map = vocab_map.long().to(target.device)
-        if head is not None:
-            if head.shape != (self.vocab_map.numel(), target.config.hidden_size):
-                raise ValueError(f"a draft head of shape {tuple(head.shape)} does not fit a draft vocabulary of "
-                                 f"{self.vocab_map.numel()} tokens and hidden size {target.config.hidden_size}")
+        if head is not None:  # its shape was checked with the checkpoint (``TrainedDrafter.restore``)
             self.head = head.detach().to(device=target.device, dtype=target.dtype)
         else:
             weight = model.get_output_embeddings().weight.detach()

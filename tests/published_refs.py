@@ -13,14 +13,34 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
+from conftest import make_llama
 from specviz.core.protocol import Commit, DraftRequest
+from specviz.core.target import TargetModel
 from specviz.core.verify import Sampling
 
 VOCAB, LAYERS, DRAFT_VOCAB = 48, 8, 32
 PROMPT = [3, 9, 1, 40, 7, 22, 13, 5, 30]
+
+
+def target_fixtures(seed: int):
+    """A test module's ``target_dir`` (a tiny Llama saved: the packages read their verifier from a folder) and
+    ``target`` (the same weights as a ``TargetModel``) fixtures: ``target_dir, target = target_fixtures(seed)``."""
+
+    @pytest.fixture(scope="module")
+    def target_dir(tmp_path_factory):
+        folder = tmp_path_factory.mktemp("published") / "target"
+        make_llama(VOCAB, seed=seed, num_layers=LAYERS).save_pretrained(folder)
+        return folder
+
+    @pytest.fixture(scope="module")
+    def target():
+        return TargetModel(make_llama(VOCAB, seed=seed, num_layers=LAYERS))
+
+    return target_dir, target
 
 
 def randomise(module: nn.Module, seed: int) -> None:

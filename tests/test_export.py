@@ -7,30 +7,19 @@ import json
 
 import pytest
 import torch
-from published_refs import LAYERS, PROMPT, VOCAB, first_drafts, propose, randomise, speculators_drafts
+from published_refs import PROMPT, VOCAB, first_drafts, propose, randomise, speculators_drafts, target_fixtures
 from safetensors.torch import load_file
 
-from conftest import make_llama
 from drafters import METHODS, build_drafter
 from drafters.checkpoint import CheckpointError, save_checkpoint, target_signature
 from drafters.published import export
 from specviz.apps.cli import main
-from specviz.core.target import TargetModel
 
 TREE = {"eagle2": {"depth": 3, "top_k": 2, "total_tokens": 6}, "hass": {"depth": 3, "top_k": 2, "total_tokens": 6},
         "eagle3": {"depth": 3, "top_k": 2, "total_tokens": 6}, "medusa": {"heads": 4, "top_k": 2, "total_tokens": 8}}
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("export") / "target"
-    make_llama(VOCAB, seed=5, num_layers=LAYERS).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def target():
-    return TargetModel(make_llama(VOCAB, seed=5, num_layers=LAYERS))
+target_dir, target = target_fixtures(seed=5)
 
 
 def native_checkpoint(target, method: str, folder, draft_vocab: int = VOCAB):

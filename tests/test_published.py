@@ -10,7 +10,6 @@ import pytest
 import torch
 from published_refs import (
     DRAFT_VOCAB,
-    LAYERS,
     PROMPT,
     VOCAB,
     eagle_chain,
@@ -21,6 +20,7 @@ from published_refs import (
     propose,
     speculators_drafts,
     speculators_model,
+    target_fixtures,
 )
 from safetensors.torch import load_file, save_file
 
@@ -31,17 +31,7 @@ from specviz.core.engine import run
 from specviz.core.errors import SettingsError
 from specviz.core.target import TargetModel
 
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("published") / "target"
-    make_llama(VOCAB, seed=3, num_layers=LAYERS).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return TargetModel(make_llama(VOCAB, seed=3, num_layers=LAYERS))
+target_dir, target = target_fixtures(seed=3)
 
 
 def output(target, drafter, n: int = 20) -> list[int]:
@@ -128,7 +118,7 @@ def test_a_checkpoint_for_another_target_is_refused_plainly(target, target_dir, 
         build_drafter("eagle3", deeper, checkpoint=str(speculators_dir))
 
 
-def test_a_layout_runs_only_as_its_method_and_a_pickle_holds_only_tensors(target, tmp_path):
+def test_a_layout_runs_only_as_its_method_and_a_weights_file_holds_only_tensors(target, tmp_path):
     eagle_model(target, tmp_path / "eagle")
     with pytest.raises(CheckpointError, match="runs as eagle2 or hass, not eagle3"):
         build_drafter("eagle3", target, checkpoint=str(tmp_path / "eagle"))

@@ -1,24 +1,23 @@
 """A published checkpoint's files: where it is (a folder, or a model-hub id fetched once), its config and weights.
 
-Weights are read from every ``*.safetensors`` file of the folder, else from ``*.bin`` / ``*.pt`` files, which
-are opened with ``torch.load(weights_only=True)`` only: a pickle that holds anything but tensors is refused.
+Weights are read from every ``*.safetensors`` file of the folder, else from the ``*.bin`` / ``*.pt`` files EAGLE
+and Medusa publish, which are opened with torch's weights-only loader: a file holding anything but tensors is
+refused, never run.
 Writing goes through ``core.files.atomic_write``, so an interrupted export never leaves a torn file.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from specviz.core import files
 
-from ..checkpoint import CheckpointError
+from ..checkpoint import CheckpointError, read_json_object
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
@@ -42,20 +41,11 @@ def resolve(source: str | Path) -> Path:
 
 
 def read_config(folder: Path) -> dict:
-    path = Path(folder) / "config.json"
-    if not path.exists():
-        raise CheckpointError(f"no config.json in {folder}")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} is not a config object")
-    return config
+    return read_json_object(Path(folder) / "config.json", "checkpoint config", "a config object")
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The folder's weight files: its safetensors files if any, else its pickled tensor files."""
+    """The folder's weight files: its safetensors files if any, else its torch-saved tensor files."""
     for pattern in WEIGHT_FILES[:1], WEIGHT_FILES[1:]:
         found = sorted(p for g in pattern for p in Path(folder).glob(g) if not p.name.startswith("training"))
         if found:
@@ -71,9 +61,11 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in paths:
         try:
-            part = load_file(path) if path.suffix == ".safetensors" else torch.load(path, map_location="cpu",
-                                                                                       weights_only=True)
-        except (SafetensorError, OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+            if path.suffix == ".safetensors":
+                part = load_file(path)
+            else:
+                part = torch.load(path, map_location="cpu", weights_only=True)  # tensors only, never code
+        except Exception as e:  # noqa: BLE001 - corrupt, truncated or refused by the weights-only loader: unreadable
             raise CheckpointError(f"{path} is unreadable (corrupt, truncated or not plain tensors): "
                                   f"{' '.join(str(e).split())[:200]}") from None
         if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
