@@ -39,7 +39,7 @@ CLOCK = """([first, done]) => {
 LAYOUT = """(methods) => {
     const boxes = {}, result = {overlaps: [], escaped: {}, head_lines: {}};
     for (const m of methods) {
-        const col = document.querySelector('#col-' + m);
+        const col = document.querySelector('#col-' + m.toLowerCase().replace(/[^a-z0-9]+/g, '-').replace(/^-|-$/g, ''));
         const r = col.getBoundingClientRect();
         boxes[m] = r;
         const head = col.querySelector('.sv-head');
@@ -72,6 +72,11 @@ def chromium_cpu_s() -> float:
     return total
 
 
+def col(label: str) -> str:
+    """The selector of ``label``'s column: ``eagle2 (paper)`` is ``#col-eagle2-paper`` (the app's ``column_id``)."""
+    return "#col-" + re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
+
+
 def pick_methods(page, methods: list[str]) -> None:
     box = page.get_by_label("Methods")
     for _ in range(20):  # remove the default picks
@@ -95,7 +100,7 @@ def set_slider(page, elem_id: str, value: int) -> None:
 def go_to_most_accepted_step(page, method: str, timeout: float) -> str:
     """Walk the step-through view with the arrow keys to the step whose accepted drafts (counted from the
     method's column, whose spans carry their step) are the most."""
-    titles = page.locator(f"#col-{method} .sv-acc").evaluate_all("spans => spans.map(s => s.title)")
+    titles = page.locator(f"{col(method)} .sv-acc").evaluate_all("spans => spans.map(s => s.title)")
     counts = Counter(int(re.match(r"step (\d+)", t)[1]) for t in titles)
     goal = max(counts, key=lambda step: (counts[step], -step)) if counts else 1
     shown = "(() => { const m = document.querySelector('#step-info').innerText.match(/· step (\\d+)/);" \
@@ -156,15 +161,15 @@ def check_controls(page, method: str, methods: list[str], timeout: float) -> dic
     page.get_by_role("option", name="typical acceptance (LOSSY)").click()
     set_slider(page, "max-new", 6)
     page.locator("#run").click()
-    page.wait_for_function(f"document.querySelector('#col-{methods[-1]} .sv-head')?.innerText.includes('lossy')",
+    page.wait_for_function(f"document.querySelector('{col(methods[-1])} .sv-head')?.innerText.includes('lossy')",
                            timeout=timeout)
-    lossy = page.locator(f"#col-{methods[-1]} .sv-head").inner_text()
+    lossy = page.locator(f"{col(methods[-1])} .sv-head").inner_text()
     page.wait_for_function("document.querySelector('#message')?.innerText.includes('lossy')", timeout=timeout)
     page.locator("#rule input").click()
     page.get_by_role("option", name="auto: greedy at T=0, else rejection sampling (lossless)").click()
     set_slider(page, "max-new", 512)
     page.locator("#run").click()
-    page.wait_for_function(f"document.querySelector('#col-{methods[0]} .sv-head[data-done=\"0\"]')",
+    page.wait_for_function(f"document.querySelector('{col(methods[0])} .sv-head[data-done=\"0\"]')",
                            timeout=timeout)  # the long run has started
     page.locator("#stop").click()
     page.wait_for_function("document.querySelector('#message')?.innerText.includes('Stopped:')", timeout=timeout)
@@ -223,8 +228,8 @@ def main() -> None:
         if args.preset:
             page.locator(f"#preset-{args.preset}").click()
             page.wait_for_timeout(1000)
-        columns = ", ".join(f"#col-{m} .sv-tokens span" for m in methods)
-        done = " && ".join(f"document.querySelector('#col-{m} .sv-head[data-done=\"1\"]')" for m in methods)
+        columns = ", ".join(f"{col(m)} .sv-tokens span" for m in methods)
+        done = " && ".join(f"document.querySelector('{col(m)} .sv-head[data-done=\"1\"]')" for m in methods)
         page.evaluate(CLOCK, [columns, done])
         cpu_before = chromium_cpu_s() if args.cpu else 0.0
         page.set_viewport_size({"width": 1500, "height": 700})  # a laptop's fold: the columns start below it
@@ -258,10 +263,10 @@ def main() -> None:
             "first_token_s": first_token_s,
             "done_s": done_s,
             "browser_cpu_s": cpu_s,
-            "heads": {m: page.locator(f"#col-{m} .sv-head").inner_text() for m in methods},
-            "spans": {m: {kind: page.locator(f"#col-{m} .sv-{kind}").count() for kind in ("acc", "bonus", "rej")}
+            "heads": {m: page.locator(f"{col(m)} .sv-head").inner_text() for m in methods},
+            "spans": {m: {kind: page.locator(f"{col(m)} .sv-{kind}").count() for kind in ("acc", "bonus", "rej")}
                       for m in methods},
-            "hover": page.locator(f"#col-{methods[0]} .sv-tokens span").first.get_attribute("title"),
+            "hover": page.locator(f"{col(methods[0])} .sv-tokens span").first.get_attribute("title"),
             "plots": {pid: page.locator(f"#{pid} .js-plotly-plot .main-svg").count() > 0
                       for pid in ("plot-alpha", "plot-length", "plot-latency", "plot-tree")},
             "plot_titles": [t.text_content() for t in page.locator(".js-plotly-plot .gtitle").all()],

@@ -133,7 +133,7 @@ def test_ten_sessions_queue_and_all_finish(app):
     (("Count.", ["ar", "pld"], 6, 0.0, 1.0, {"pld": {"num_tokens": "many"}}), "is not a number"),
     (("Count.", ["ar"], 6, 1e-42, 1.0, None), "below 0.001: used 0"),
     (("Count.", ["ar", "pld"], 6, 0.7, 1.0, None, "greedy"), "would ignore temperature"),
-    (("Count.", ["ar"] * 17, 6), "at most 16 methods"),
+    (("Count.", ["ar"] * 33, 6), "at most 32 methods"),
 ])
 def test_abuse_gets_a_message_and_the_server_goes_on(client, args, expect):
     try:

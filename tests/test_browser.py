@@ -60,17 +60,21 @@ def test_page_runs_two_methods_and_renders_tokens_and_plots(app):
 
 @needs_browser
 def test_every_method_in_columns_that_never_overlap(app):
-    """Every method: at 1280 and 1920 px no two columns overlap and no token leaves its column."""
+    """Every method, and eagle2 once more at its paper's setting: at 1280 and 1920 px no two columns overlap and
+    no token leaves its column."""
     from drafters import METHODS
 
+    methods = [*METHODS][:3] + ["eagle2 (paper)"] + [*METHODS][3:]
     done = subprocess.run([sys.executable, str(CHECK), app.url,
-                           "--methods", ",".join(METHODS), "--max-new-tokens", "24", "--layout-widths", "1280,1920",
+                           "--methods", ",".join(methods), "--max-new-tokens", "24", "--layout-widths", "1280,1920",
                            "--step-through", "eagle2,redrafter", "--controls", "eagle2",
                            "--screenshot", str(ARTIFACTS / "app-all.png")],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert all(sum(seen["spans"][m].values()) >= 24 for m in METHODS), seen["spans"]
+    assert all(sum(seen["spans"][m].values()) >= 24 for m in methods), seen["spans"]
+    heads = seen["heads"]  # the same method twice, at two settings, each exact
+    assert "identical to AR" in heads["eagle2"] and "identical to AR" in heads["eagle2 (paper)"], heads
     for width, layout in seen["layout"].items():
         assert layout["overlaps"] == [], (width, layout["overlaps"])
         assert not any(layout["escaped"].values()), (width, layout["escaped"])

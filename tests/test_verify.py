@@ -382,11 +382,12 @@ def test_chi_square_has_power(rule, make_tree):
 
 
 @pytest.mark.parametrize("vocab", [50, 5000])
-@pytest.mark.parametrize("scale", [0.01, 1.0, 8.0])  # flat (the nucleus passes the first k: full sort), to peaked
+@pytest.mark.parametrize("scale", [0.01, 0.3, 1.0, 8.0])  # flat (the nucleus passes both k: full sort), to peaked
 def test_the_nucleus_equals_the_full_sorts(vocab, scale, monkeypatch):
     from specviz.core import verify
 
-    monkeypatch.setattr(verify, "NUCLEUS_FIRST_K", 64)  # so both of its paths run at these sizes
+    monkeypatch.setattr(verify, "NUCLEUS_FIRST_K", 64)  # so its three paths run at these sizes
+    monkeypatch.setattr(verify, "NUCLEUS_MORE_K", 512)
     gen = torch.Generator().manual_seed(vocab)
     probs = torch.softmax(torch.randn(9, vocab, generator=gen) * scale, -1)
     for top_p in (0.05, 0.5, 0.9, 0.999):

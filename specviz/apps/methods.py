@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import re
+
 from drafters import parse_spec
+from specviz.core.errors import SettingsError
 
 HF_BASELINES = {"hf": {}, "hf-pld": {"prompt_lookup_num_tokens": 10}}
 
@@ -16,3 +19,18 @@ def parse_method(spec: str) -> tuple[str, dict]:
 def is_baseline(name: str) -> bool:
     """True for transformers' own generate: no drafter, no budget, no step records."""
     return name in HF_BASELINES
+
+
+# A column's label: a method, or a method and a tag in brackets, so that one method can race twice at two settings
+LABEL = re.compile(r"([a-z0-9-]+)(?: \(([A-Za-z0-9 _.,=+-]{1,24})\))?")
+
+
+def split_label(label: str) -> tuple[str, str | None]:
+    """``"eagle2 (paper)"`` -> ``("eagle2", "paper")``; a plain method name has no tag. The tag ``paper`` starts
+    the column from the paper's setting and ``untuned`` from the settings class's own values; any other tag from
+    this machine's budget, like the plain name, with the settings the call gives under the whole label."""
+    match = LABEL.fullmatch(label)
+    if match is None:
+        raise SettingsError(f"{label[:40]!r}: unknown method; a label is a method's name, or a name and a tag of "
+                            "up to 24 letters, digits or .,=+-_ in brackets (\"eagle2 (paper)\")")
+    return match.group(1), match.group(2)

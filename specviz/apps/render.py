@@ -14,6 +14,8 @@ from specviz.core.engine import StepRecord
 from specviz.core.metrics import acceptance_by_depth, acceptance_counts, decode_steps, summarize
 from specviz.core.timing import PHASES
 
+from .methods import LABEL
+
 COLOURS = {"accepted": "#2e9e4f", "bonus": "#d98c00", "rejected": "#c0392b", "prompt": "#777777"}
 PHASE_COLOURS = {"draft": "#4c78a8", "verify": "#f58518", "accept": "#54a24b", "other": "#b0b0b0"}
 LEGEND = ('<span class="sv-acc">accepted draft</span> · <span class="sv-bonus">the target\'s own token (bonus or '
@@ -104,11 +106,17 @@ COMPACT_LEGEND = dict(font=dict(size=10), itemwidth=30, tracegroupgap=2)
 
 def method_colour(label: str) -> str:
     """A method's colour, the same in every race, plot and column header: by its place in the registry (a
-    label with settings, ``eagle2:depth=4``, takes its method's); a label of no method gets one by its name."""
+    label with settings, ``eagle2:depth=4``, takes its method's); a label of no method gets one by its name.
+    A second column of one method (``eagle2 (paper)``) takes a lighter shade of it, so the two stay apart."""
     name = label.split(":", 1)[0]
+    name, tag = match.groups() if (match := LABEL.fullmatch(name)) else (name, None)
     order = list(METHODS)
     index = order.index(name) if name in order else sum(map(ord, label))
-    return PALETTE[index % len(PALETTE)]
+    colour = PALETTE[index % len(PALETTE)]
+    if tag is None:
+        return colour
+    channels = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * 0.5):02x}" for c in channels)
 
 
 def method_colours(labels) -> dict[str, str]:

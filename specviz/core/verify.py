@@ -73,15 +73,17 @@ def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 
 
 NUCLEUS_FIRST_K = 1024  # the nucleus is looked for among this many top tokens first
+NUCLEUS_MORE_K = 8192  # then among this many, before a full sort
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep, per row, the smallest set of most probable tokens whose mass reaches ``top_p``; renormalise.
 
-    A full sort of a 49k vocabulary cost 5 ms a row on a CPU core (0.3 s for a 60-node tree), while the
-    nucleus is almost always among the top thousand tokens: those come from ``topk`` (about 6x cheaper), and
-    only when some row's top ``NUCLEUS_FIRST_K`` hold less than ``top_p`` is the whole row sorted. The result
-    is the same set either way: a token past the first k has at least their mass before it, so is dropped.
+    A full sort of a 49k vocabulary costs several times a ``topk`` of its first thousand on a CPU core, while
+    the nucleus is almost always among the top thousand tokens: those come from ``topk``, then (for flat rows:
+    a high temperature, an untrained model) the top ``NUCLEUS_MORE_K``, and only when some row's top tokens
+    still hold less than ``top_p`` is the whole row sorted. The result is the same set either way: a token past
+    the first k has at least their mass before it, so is dropped.
     On a GPU the sort is cheap and that check would be a host sync, so the rows are sorted there."""
     top, order = _ranked(probs, top_p)
     drop = top.cumsum(-1) - top >= top_p  # keep the smallest set reaching top_p
@@ -91,11 +93,13 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def _ranked(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's most probable tokens in descending order, as many as its nucleus may need (``nucleus``)."""
-    k = min(NUCLEUS_FIRST_K, probs.shape[-1])
-    if probs.device.type == "cpu" and k < probs.shape[-1]:
-        top, order = probs.topk(k, dim=-1)  # sorted, descending
-        if bool((top.sum(-1) >= top_p).all()):
-            return top, order
+    if probs.device.type == "cpu":
+        for k in (NUCLEUS_FIRST_K, NUCLEUS_MORE_K):
+            if k >= probs.shape[-1]:
+                break
+            top, order = probs.topk(k, dim=-1)  # sorted, descending
+            if bool((top.sum(-1) >= top_p).all()):
+                return top, order
     return probs.sort(dim=-1, descending=True)
 
 

@@ -21,7 +21,7 @@ from ..bench import bench_steps
 from ..questions import BUILTIN, load_questions
 from ..race import race
 from . import views
-from .plan import MAX_NEW_TOKENS, Plan, SettingSpec, clamp, plan_race, slider_settings
+from .plan import MAX_NEW_TOKENS, Plan, SettingSpec, clamp, column_labels, plan_race, slider_settings
 from .state import AppState
 
 SHOW_EVERY_S = 0.5  # the columns are redrawn at most this often while streaming
@@ -38,6 +38,7 @@ class Handlers:
 
     def __init__(self, state: AppState, specs: list[SettingSpec]):
         self.state, self.specs = state, specs
+        self.columns = column_labels(state)  # the Race tab's columns, by label
 
     def plan(self, prompt, methods, max_new_tokens, temperature, top_p, settings, rule="auto", seed=0) -> Plan:
         try:
@@ -50,8 +51,13 @@ class Handlers:
         """The Race tab: stream every selected method's column while the race runs at full speed."""
         plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p,
                          slider_settings(self.specs, setting_values), rule, seed)
+        for label in [label for label in plan.drafters if label not in self.columns]:  # a tag only /compare takes
+            del plan.drafters[label]
+            plan.notes.append(f"{label}: the Race tab has no column for it (the /compare API takes any tag)")
+        if not plan.drafters:
+            raise gr.Error("Pick at least one of the Race tab's methods. " + "; ".join(plan.notes))
         view = views.RaceView(plan, self.state.target.text.decode, bool(show_rejected),
-                              str(self.state.target.dtype).replace("torch.", ""))
+                              str(self.state.target.dtype).replace("torch.", ""), self.columns)
         session, stop = _session(request), threading.Event()
         self.state.stops[session] = stop
         try:
@@ -74,8 +80,11 @@ class Handlers:
                 top_p: float = 1.0, settings: dict | None = None, rule: str = "auto", seed: int = 0) -> dict:
         """The public API: per method the text, each token's origin and step, and the run's metrics.
 
-        ``settings`` maps a method to its numeric settings, e.g. {"eagle2": {"depth": 4}}; values beyond
-        their range are clamped and every change is listed under ``notes``. ``rule``: auto, greedy,
+        ``methods`` are labels: a method's name, or a name and a tag in brackets to race one method twice:
+        "eagle2 (paper)" at the paper's setting, "eagle2 (untuned)" at its class's own values, any other tag
+        at the settings given for it. ``settings`` maps a label to its numeric settings, e.g.
+        {"eagle2": {"depth": 4}, "eagle2 (deep)": {"depth": 8}}; values beyond their range are clamped and
+        every change is listed under ``notes``. ``rule``: auto, greedy,
         rejection (lossless sampling) or typical (lossy). A call gets at most ``COMPARE_BUDGET_S`` of
         engine time; the methods stop there and say so. ``seed``: the sampling's random seed (a sampled call
         is the same call again at the same seed)."""

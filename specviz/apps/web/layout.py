@@ -16,7 +16,7 @@ from ..questions import load_questions
 from . import views
 from .body_limit import BodyLimit, max_request_bytes
 from .handlers import Handlers
-from .plan import MAX_NEW_TOKENS, MAX_SEED, setting_specs
+from .plan import MAX_NEW_TOKENS, MAX_SEED, column_id, setting_specs
 from .space import GPU
 from .state import AppState
 
@@ -79,8 +79,10 @@ def build_demo(state: AppState) -> gr.Blocks:
             with gr.Row():
                 prompt = gr.Textbox(label="Prompt", lines=4, scale=3)
                 with gr.Column(scale=2):
-                    methods = gr.Dropdown(list(METHODS), value=picked, multiselect=True, label="Methods",
-                                          info="unavailable ones explain why when picked", elem_id="methods")
+                    methods = gr.Dropdown(handlers.columns, value=picked, multiselect=True, label="Methods",
+                                          info="unavailable ones explain why when picked; a method twice: "
+                                               "\"eagle2\" runs at the settings below, \"eagle2 (paper)\" at "
+                                               "its paper's", elem_id="methods")
                     max_new = gr.Slider(1, MAX_NEW_TOKENS, value=128, step=1, label="Max new tokens", elem_id="max-new")
                     with gr.Row():
                         temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
@@ -113,7 +115,8 @@ def build_demo(state: AppState) -> gr.Blocks:
                 stop_btn = gr.Button("Stop", elem_id="stop")
             message = gr.Markdown(elem_id="message")
             with gr.Row(equal_height=False, elem_id="race-columns"):  # a grid: as many columns as fit, then rows
-                columns = [gr.HTML(visible=False, elem_id=f"col-{m}", elem_classes="sv-column") for m in METHODS]
+                columns = [gr.HTML(visible=False, elem_id=column_id(m), elem_classes="sv-column")
+                           for m in handlers.columns]
             with gr.Row():
                 empty = views.plots({})  # drawn at page load, so the browser has plotly ready before the first Run
                 alpha_plot = gr.Plot(empty[0], label="α_k per depth", elem_id="plot-alpha")

@@ -4,6 +4,7 @@ and a request that cannot run at all is a ``SettingsError`` with the reason."""
 from __future__ import annotations
 
 import math
+import re
 import sys
 from dataclasses import dataclass, field, fields
 
@@ -12,13 +13,22 @@ from specviz.core.errors import SettingsError, SpecvizError
 from specviz.core.protocol import Drafter
 from specviz.core.verify import MIN_TEMPERATURE, RULES, Sampling
 
+from ..methods import split_label
 from .state import AppState
 
 MAX_NEW_TOKENS = 512
-MAX_METHODS = 16  # every method, with room for more
+MAX_METHODS = 32  # every column the page has (each method, and copies at the paper setting), with room
 SLIDER_MAX = 64  # the highest value a settings slider offers
 MAX_SEED = 2**31 - 1
 CHARS_PER_TOKEN = 8  # a prompt longer than this many characters per context token cannot fit (English is ~4)
+def column_id(label: str) -> str:
+    """The page element of ``label``'s column: ``col-eagle2``, ``col-eagle2-paper``."""
+    return "col-" + re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
+
+
+def column_labels(state: AppState) -> list[str]:
+    """The Race tab's columns: every method, then each available method with a paper setting once more at it."""
+    return list(METHODS) + [f"{m} (paper)" for m in state.drafters if METHODS[m][1].PAPER]
 
 
 def clamp(label: str, value, low, high, default, notes: list[str], cast=int):
@@ -68,14 +78,20 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
         raise SettingsError(f"at most {MAX_METHODS} methods per race, got {len(methods)}")
     if rule not in (*RULES, "auto"):
         raise SettingsError(f"unknown acceptance rule {str(rule)[:40]!r}; choose auto, {', '.join(RULES)}")
-    methods = list(dict.fromkeys(methods))
-    for m in methods:
-        if m not in METHODS:
-            notes.append(f"{m}: unknown method (choose from {', '.join(METHODS)})")
-        elif m in state.unavailable:
-            notes.append(f"{m} is unavailable: {state.unavailable[m]}")
-    methods = [m for m in methods if m in state.drafters]
-    if not methods:
+    labels: dict[str, tuple[str, str | None]] = {}  # label -> (method, tag)
+    for label in dict.fromkeys(methods):
+        try:
+            name, tag = split_label(label)
+        except SettingsError as e:
+            notes.append(str(e))
+            continue
+        if name not in METHODS:
+            notes.append(f"{label}: unknown method (choose from {', '.join(METHODS)})")
+        elif name in state.unavailable:
+            notes.append(f"{label} is unavailable: {state.unavailable[name]}")
+        else:
+            labels[label] = (name, tag)
+    if not labels:
         raise SettingsError("Pick at least one available method. " + "; ".join(notes))
     temperature = clamp("temperature", temperature, 0.0, 2.0, 0.0, notes, float)
     if 0 < temperature < MIN_TEMPERATURE:
@@ -88,26 +104,28 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
         raise SettingsError(f"The prompt has {len(ids)} tokens; the target's context is {state.target.max_length}.")
     max_new_tokens = clamp("max new tokens", max_new_tokens, 1, min(MAX_NEW_TOKENS, room), 128, notes)
     chosen = {}
-    for m in methods:
-        limits = state.limits(m)
-        given = (settings or {}).get(m) or {}
+    for label, (name, tag) in labels.items():
+        limits = state.limits(name)
+        given = (settings or {}).get(label) or {}
         if not isinstance(given, dict):
-            notes.append(f"{m} settings must be a mapping of setting to number; ignored {str(given)[:40]!r}")
+            notes.append(f"{label} settings must be a mapping of setting to number; ignored {str(given)[:40]!r}")
             given = {}
         for k in [k for k in given if k not in limits]:  # paths, model ids, dtypes: fixed when the server starts
-            notes.append(f"{m} {k}: not a setting this page takes (it takes {', '.join(limits) or 'none'}); ignored")
-        defaults = state.defaults(m)
-        clamped = {k: clamp(f"{m} {k}", v, *limits[k], defaults.get(k, limits[k][0]), notes)
+            notes.append(f"{label} {k}: not a setting this page takes (it takes {', '.join(limits) or 'none'}); "
+                         "ignored")
+        start = state.preset(name, tag)
+        clamped = {k: clamp(f"{label} {k}", v, *limits[k], start.get(k, limits[k][0]), notes)
                    for k, v in given.items() if k in limits}
         try:
-            chosen[m] = state.drafter(m, clamped)
+            chosen[label] = state.drafter(name, {**start, **clamped})
         except SpecvizError as e:
-            notes.append(f"{m}: {e}")
+            notes.append(f"{label}: {e}")
     if not chosen:
         raise SettingsError("; ".join(notes))
-    expected = {m: state.tuned[m].expected_speedup for m in chosen
-                if m in state.tuned and state.tuned[m].settings and chosen[m] is state.drafters.get(m)}
-    untuned = {m for m in chosen if state.untuned(m) and chosen[m] is state.drafters.get(m)}
+    at_budget = {label for label, (name, _) in labels.items() if chosen.get(label) is state.drafters.get(name)}
+    expected = {label: state.tuned[labels[label][0]].expected_speedup for label in at_budget
+                if labels[label][0] in state.tuned and state.tuned[labels[label][0]].settings}
+    untuned = {label for label in at_budget if state.untuned(labels[label][0])}
     seed = clamp("seed", seed, 0, MAX_SEED, 0, notes)  # a sampled race is the same race again at the same seed
     sampling = Sampling(temperature=temperature, top_p=top_p, rule=rule, seed=seed)  # greedy rule + T > 0: refused
     if not sampling.lossless:

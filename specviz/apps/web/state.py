@@ -60,6 +60,15 @@ class AppState:
         return {**METHODS[name][1].defaults(self.target), **(tuned.settings if tuned else {}),
                 **self.configured.get(name, {})}
 
+    def preset(self, name: str, tag: str | None = None) -> dict:
+        """The settings a column of ``name`` starts from (``plan.split_label``): the paper's for the tag "paper",
+        the settings class's own values (and what was configured) for "untuned", else ``defaults``."""
+        if tag == "paper":
+            return {**self.defaults(name), **METHODS[name][1].PAPER}
+        if tag == "untuned":
+            return {**METHODS[name][1].defaults(self.target), **self.configured.get(name, {})}
+        return self.defaults(name)
+
     def limits(self, name: str) -> dict[str, tuple]:
         return METHODS[name][1].limits(self.target)
 

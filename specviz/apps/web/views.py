@@ -45,12 +45,13 @@ BUSY_MIN_TOKENS = 16  # fewer tokens time too little to judge
 class RaceView:
     """Turns race lanes into the Race tab's outputs: the columns that moved are rebuilt, plots every few seconds."""
 
-    def __init__(self, plan: Plan, decode, show_rejected: bool, dtype: str = "float32"):
+    def __init__(self, plan: Plan, decode, show_rejected: bool, dtype: str = "float32",
+                 columns: list[str] | None = None):
         self.plan, self.decode, self.show_rejected = plan, decode, show_rejected
         self.tolerance = TIE_TOLERANCE.get(dtype, TIE_TOLERANCE["float32"])
         self.lanes: dict[str, Lane] = {}
         self.spans: dict[str, list[str]] = {m: [] for m in plan.drafters}
-        self.html: dict[str, str] = {m: "" for m in METHODS}  # every column as last sent
+        self.html: dict[str, str] = {m: "" for m in columns or METHODS}  # every column of the page, as last sent
         self.notes = ""  # the message as sent at the start
         self.plotted = time.perf_counter()
 
@@ -100,7 +101,7 @@ class RaceView:
     def start(self) -> tuple:
         self.html.update({m: self.column(m) for m in self.plan.drafters})
         self.notes = self.message()
-        columns = [gr.update(visible=m in self.plan.drafters, value=self.html[m]) for m in METHODS]
+        columns = [gr.update(visible=m in self.plan.drafters, value=self.html[m]) for m in self.html]
         return (*columns, gr.skip(), gr.skip(), gr.skip(), self.notes, gr.skip())
 
     def advance(self, lanes: list[Lane]) -> tuple:
