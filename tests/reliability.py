@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-GOOD = ["Count to three.", ["ar", "pld"], 4, 0.0, 1.0, None, "auto", 0]  # /compare's arguments, all of them
+GOOD = ["Count to three.", ["ar", "pld"], 4, 0.0, 1.0, None, "auto", 0, None]  # /compare's arguments, all of them
 HUGE_PROMPT = "x" * 10_000_000  # 10 MB
 # Each argument's bad values, as raw JSON text (json.dumps cannot write NaN as gradio reads it, nor 10**400).
 BAD = {
@@ -33,6 +33,7 @@ BAD = {
         '{"pld": ' * 40 + '{}' + '}' * 40, '{"skip": {"layers": -5, "num_tokens": 1e9}}'],
     6: ['"bogus"', '5', 'null', '"greedy"', '"typical"', '[]'],
     7: ['-1', '"x"', 'NaN', "9" * 400, '1e400', '[]', 'null', '3.5'],
+    8: ['"float64"', '"FLOAT32"', '"bfloat16 "', '5', '[]', '{}', '"../float32"'],
 }
 
 

@@ -22,6 +22,7 @@ from ..questions import BUILTIN, load_questions
 from ..race import race
 from . import views
 from .plan import MAX_NEW_TOKENS, Plan, SettingSpec, clamp, column_labels, plan_race, slider_settings
+from .precision import Precisions, dtype_name
 from .state import AppState
 
 SHOW_EVERY_S = 0.5  # the columns are redrawn at most this often while streaming
@@ -39,32 +40,40 @@ class Handlers:
     def __init__(self, state: AppState, specs: list[SettingSpec]):
         self.state, self.specs = state, specs
         self.columns = column_labels(state)  # the Race tab's columns, by label
+        self.precisions = Precisions(state)  # the page's precision switch: the server's state and its copy
 
-    def plan(self, prompt, methods, max_new_tokens, temperature, top_p, settings, rule="auto", seed=0) -> Plan:
+    def at(self, precision: str | None) -> AppState:
+        """The state in ``precision`` (a dtype's name; None: the server's), loaded the first time it is picked."""
         try:
-            return plan_race(self.state, prompt, methods, max_new_tokens, temperature, top_p, settings, rule, seed)
+            return self.precisions.state(precision)
+        except SpecvizError as e:
+            raise gr.Error(str(e)) from None
+
+    def plan(self, prompt, methods, max_new_tokens, temperature, top_p, settings, rule="auto", seed=0,
+             precision: str | None = None) -> tuple[AppState, Plan]:
+        state = self.at(precision)
+        try:
+            return state, plan_race(state, prompt, methods, max_new_tokens, temperature, top_p, settings, rule, seed)
         except SpecvizError as e:
             raise gr.Error(str(e)) from None
 
     def race(self, request: gr.Request, prompt, methods, max_new_tokens, temperature, top_p, show_rejected,
-             rule="auto", seed=0, *setting_values):
+             rule="auto", seed=0, precision=None, *setting_values):
         """The Race tab: stream every selected method's column while the race runs at full speed."""
-        plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p,
-                         slider_settings(self.specs, setting_values), rule, seed)
+        state, plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p,
+                                slider_settings(self.specs, setting_values), rule, seed, precision)
         for label in [label for label in plan.drafters if label not in self.columns]:  # a tag only /compare takes
             del plan.drafters[label]
             plan.notes.append(f"{label}: the Race tab has no column for it (the /compare API takes any tag)")
         if not plan.drafters:
             raise gr.Error("Pick at least one of the Race tab's methods. " + "; ".join(plan.notes))
-        view = views.RaceView(plan, self.state.target.text.decode, bool(show_rejected),
-                              str(self.state.target.dtype).replace("torch.", ""), self.columns)
+        view = views.RaceView(plan, state.target.text.decode, bool(show_rejected), dtype_name(state), self.columns)
         session, stop = _session(request), threading.Event()
         self.state.stops[session] = stop
         try:
             yield view.start()
-            lanes = race(self.state.target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling,
-                         self.state.padding)
-            for batch in in_batches(lanes, self.state.engine, stop, SHOW_EVERY_S):
+            lanes = race(state.target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling, state.padding)
+            for batch in in_batches(lanes, state.engine, stop, SHOW_EVERY_S):
                 yield view.advance(batch)
             yield view.finish()
         finally:
@@ -77,7 +86,8 @@ class Handlers:
             stop.set()
 
     def compare(self, prompt: str, methods: list[str], max_new_tokens: float = 128, temperature: float = 0.0,
-                top_p: float = 1.0, settings: dict | None = None, rule: str = "auto", seed: int = 0) -> dict:
+                top_p: float = 1.0, settings: dict | None = None, rule: str = "auto", seed: int = 0,
+                precision: str | None = None) -> dict:
         """The public API: per method the text, each token's origin and step, and the run's metrics.
 
         ``methods`` are labels: a method's name, or a name and a tag in brackets to race one method twice:
@@ -87,10 +97,11 @@ class Handlers:
         every change is listed under ``notes``. ``rule``: auto, greedy,
         rejection (lossless sampling) or typical (lossy). A call gets at most ``COMPARE_BUDGET_S`` of
         engine time; the methods stop there and say so. ``seed``: the sampling's random seed (a sampled call
-        is the same call again at the same seed)."""
-        plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p, settings, rule, seed)
-        target = self.state.target
-        steps = race(target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling, self.state.padding)
+        is the same call again at the same seed). ``precision``: "float32" (exact) or the page's fast dtype
+        ("bfloat16"); by default the server's."""
+        state, plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p, settings, rule, seed, precision)
+        target = state.target
+        steps = race(target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling, state.padding)
 
         def run_all() -> dict:  # the whole race in one engine call, within the budget
             lanes, deadline = {}, time.perf_counter() + COMPARE_BUDGET_S
@@ -101,7 +112,7 @@ class Handlers:
                     break
             return lanes
 
-        lanes = self.state.on_engine(run_all)
+        lanes = state.on_engine(run_all)
         result = {"notes": plan.notes, "methods": {}}
         for label, lane in lanes.items():
             tokens = [{"token": t, "text": target.text.decode([t]), "step": r.step,
@@ -114,7 +125,7 @@ class Handlers:
                                         "error": lane.error, "identical_to_ar": same,
                                         "budget": _budget(plan, label),
                                         "metrics": summarize(lane.records, lane.clock).as_dict()}
-        result["tuning"] = self.state.tuning.line()
+        result["tuning"], result["precision"] = state.tuning.line(), dtype_name(state)
         return result
 
     def benchmark(self, question_set: str, subset: str, count: int, methods: list[str], max_new_tokens: int,
@@ -188,12 +199,12 @@ class Handlers:
         except SpecvizError as e:
             raise gr.Error(str(e)) from None
 
-    def preset(self, preset: str) -> list[int]:
-        """The settings sliders at a preset: "fastest" (the budgets tuned for this machine, as far as tuning has
-        got) or "paper"."""
-        values = []
+    def preset(self, preset: str, precision: str | None = None) -> list[int]:
+        """The settings sliders at a preset: "fastest" (the budgets tuned for this machine in ``precision``, as
+        far as tuning has got) or "paper"."""
+        values, state = [], self.at(precision)
         for spec in self.specs:
-            value = self.state.defaults(spec.method).get(spec.name, spec.default)
+            value = state.defaults(spec.method).get(spec.name, spec.default)
             if preset == "paper":
                 value = METHODS[spec.method][1].PAPER.get(spec.name, value)
             values.append(min(max(int(value), spec.low), spec.high))

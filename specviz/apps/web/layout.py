@@ -58,17 +58,19 @@ def build_demo(state: AppState) -> gr.Blocks:
     private = dict(api_visibility="private")
     with gr.Blocks(title="specviz") as demo:
         dtype = str(target.dtype).replace("torch.", "")
-        precision = ("exact: every lossless method gives the target's own text" if dtype == "float32" else
-                     "fast: a lossless method may part from AR where the target's top two tokens nearly tie")
+        exact = ("exact: every lossless method gives the target's own text" if dtype == "float32" else
+                 "fast: a lossless method may part from AR where the target's top two tokens nearly tie")
         name = "SmolLM2-135M-Instruct (embedded)" if target.name == EMBEDDED else target.name
         gr.Markdown(f"# specviz: speculative decoding, side by side\nTarget **{name}** "
-                    f"({target.num_parameters / 1e6:.0f}M parameters) on {target.device} in {dtype} ({precision}), "
+                    f"({target.num_parameters / 1e6:.0f}M parameters) on {target.device} in {dtype} ({exact}; "
+                    "the Precision switch changes it), "
                     f"loaded with {len(state.drafters)} methods in {state.cold_start_s:.1f} s. " + render.LEGEND)
-        tuning_line = gr.Markdown(state.tuning.line(), elem_id="tuning")
-        timer = gr.Timer(2, active=not state.tuning.finished)  # stops itself once tuning has ended
+        precisions = handlers.precisions
+        tuning_line = gr.Markdown(precisions.line(), elem_id="tuning")
+        timer = gr.Timer(2, active=not precisions.finished)  # stops itself once tuning has ended
 
         def status():
-            return state.tuning.line(), gr.Timer(active=not state.tuning.finished)
+            return precisions.line(), gr.Timer(active=not precisions.finished)
 
         timer.tick(status, None, [tuning_line, timer], queue=False, **private)
         demo.load(status, None, [tuning_line, timer], queue=False, **private)
@@ -91,6 +93,8 @@ def build_demo(state: AppState) -> gr.Blocks:
                                          info="sampling: the same seed gives the same race")
                     rule = gr.Dropdown(RULE_CHOICES, value="auto", label="Acceptance rule", elem_id="rule",
                                        info="typical acceptance is lossy: its outputs need not follow the target")
+                    precision = gr.Radio(precisions.choices(), value=dtype, label="Precision",
+                                         info=precisions.trade(), elem_id="precision")
                     show_rejected = gr.Checkbox(value=False, label="Show rejected drafts (a count per step)",
                                                 info="✗n after a step: hover or tap it for the struck-through "
                                                      "drafts; off: each column reads as the target's own text")
@@ -104,11 +108,14 @@ def build_demo(state: AppState) -> gr.Blocks:
                         setting_inputs += [gr.Slider(s.low, s.high, value=s.default, step=1, label=s.name,
                                                      elem_id=f"set-{s.method}-{s.name}")
                                            for s in specs if s.method == method]
-            fastest.click(lambda: handlers.preset("fastest"), None, setting_inputs, **private)
+            fastest.click(lambda p: handlers.preset("fastest", p), precision, setting_inputs, **private)
+            # the other precision is loaded the first time it is picked; its sliders start at its own budgets
+            precision.change(lambda p: [*handlers.preset("fastest", p), gr.Timer(active=True)], precision,
+                             [*setting_inputs, timer], **private)
             # the sliders were laid out before the background tuning ended: a page opened later starts at the
             # budgets tuned so far, not at the untuned defaults baked into the layout
             demo.load(lambda: handlers.preset("fastest"), None, setting_inputs, queue=False, **private)
-            paper.click(lambda: handlers.preset("paper"), None, setting_inputs, **private)
+            paper.click(lambda p: handlers.preset("paper", p), precision, setting_inputs, **private)
             gr.Examples(examples(), inputs=prompt, cache_examples=False)
             with gr.Row():
                 run_btn = gr.Button("Run", variant="primary", elem_id="run")
@@ -143,7 +150,7 @@ def build_demo(state: AppState) -> gr.Blocks:
             started = run_btn.click(lambda: gr.Button(interactive=False), None, run_btn, queue=False, js=SCROLL_JS,
                                     **private)
             started.then(GPU(handlers.race), [prompt, methods, max_new, temperature, top_p, show_rejected, rule,
-                                              seed, *setting_inputs],
+                                              seed, precision, *setting_inputs],
                          [*columns, alpha_plot, length_plot, latency_plot, message, runs], api_name="race",
                          concurrency_id="engine", show_progress="hidden").then(
                 lambda: gr.Button(interactive=True), None, run_btn, queue=False, **private)
