@@ -48,10 +48,12 @@ def test_fast_is_a_bf16_copy_loaded_once_with_its_own_budgets(state, handlers, m
     assert machine_key(fast.target) != machine_key(state.target)  # budgets are cached per precision
     out = handlers.compare("Count to ten.", ["ar", "pld"], 12, precision="bfloat16")
     assert out["precision"] == "bfloat16" and out["methods"]["ar"]["metrics"]["new_tokens"] == 12
+    assert any(note.startswith("precision bfloat16: a lossless method may part") for note in out["notes"])
     direct = run(fast.target, build_drafter("ar", fast.target), fast.target.text.encode_chat("Count to ten."), 12)
     assert [t["token"] for t in out["methods"]["ar"]["tokens"]] == direct.output_ids  # AR in bf16, as run alone
     exact = handlers.compare("Count to ten.", ["ar", "pld"], 12)
     assert exact["precision"] == "float32" and exact["methods"]["pld"]["identical_to_ar"] is True
+    assert not [note for note in exact["notes"] if note.startswith("precision")]
 
 
 def test_a_race_runs_in_the_precision_picked(handlers):

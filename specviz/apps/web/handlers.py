@@ -53,9 +53,13 @@ class Handlers:
              precision: str | None = None) -> tuple[AppState, Plan]:
         state = self.at(precision)
         try:
-            return state, plan_race(state, prompt, methods, max_new_tokens, temperature, top_p, settings, rule, seed)
+            plan = plan_race(state, prompt, methods, max_new_tokens, temperature, top_p, settings, rule, seed)
         except SpecvizError as e:
             raise gr.Error(str(e)) from None
+        if (dtype := dtype_name(state)) != "float32":
+            plan.notes.append(f"precision {dtype}: a lossless method may part from AR where the target's top two "
+                              "tokens nearly tie (its badge then says so)")
+        return state, plan
 
     def race(self, request: gr.Request, prompt, methods, max_new_tokens, temperature, top_p, show_rejected,
              rule="auto", seed=0, precision=None, *setting_values):
