@@ -150,7 +150,7 @@ def test_a_prompt_that_is_not_utf8_gets_a_message(app, client):
     """Raw JSON can carry a lone surrogate (what bytes that were not UTF-8 become); gradio_client cannot send it."""
     import httpx
 
-    body = '{"data": ["caf\\udce9", ["ar"], 6, 0.0, 1.0, null, "auto", 0]}'
+    body = '{"data": ["caf\\udce9", ["ar"], 6, 0.0, 1.0, null, "auto", 0, null]}'
     base = app.url.rstrip("/") + "/gradio_api/call/compare"
     event = httpx.post(base, content=body, headers={"Content-Type": "application/json"}).json()["event_id"]
     stream = httpx.get(f"{base}/{event}", timeout=60).text

@@ -68,7 +68,7 @@ def test_labels_that_cannot_run_say_why(state):
 def test_the_race_tab_has_a_column_per_label_and_refuses_the_rest(state, handlers):
     assert handlers.columns[:len(state.drafters)] != [] and "lookahead (paper)" in handlers.columns
     assert "pld (paper)" not in handlers.columns  # pld has no paper setting of its own
-    race = handlers.race(None, "Count.", ["ar", "lookahead (paper)", "pld (x)"], 8, 0.0, 1.0, False, "auto", 0,
+    race = handlers.race(None, "Count.", ["ar", "lookahead (paper)", "pld (x)"], 8, 0.0, 1.0, False, "auto", 0, None,
                          *handlers.preset("fastest"))
     first = next(race)
     columns, message = first[:len(handlers.columns)], first[-2]

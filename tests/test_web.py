@@ -117,7 +117,7 @@ def test_compare_is_lossless_and_serialisable(handlers):
 def test_race_streams_columns_then_plots_and_runs(handlers, state):
     specs = handlers.specs
     updates = list(handlers.race(SimpleNamespace(session_hash="s1"), "Hi there", ["ar", "pld"], 10, 0, 1, True, "auto",
-                                 0, *[s.default for s in specs]))
+                                 0, None, *[s.default for s in specs]))
     columns, runs = updates[-1][: len(METHODS)], updates[-1][-1]
     ar, pld = columns[list(METHODS).index("ar")], columns[list(METHODS).index("pld")]
     assert "10 tokens" in ar and 'data-done="1"' in pld and "✅ identical to AR" in pld
@@ -348,7 +348,7 @@ def test_a_finished_race_downloads_as_json_with_every_step(handlers, state):
     from specviz.apps.web.views import race_download
 
     updates = list(handlers.race(SimpleNamespace(session_hash="s2"), "Tell me a story.", ["ar", "pld"], 24, 0.0, 1.0,
-                                 True, "auto", 3, *[s.default for s in handlers.specs]))
+                                 True, "auto", 3, None, *[s.default for s in handlers.specs]))
     runs = updates[-1][-1]
     as_json, as_page = race_download(runs, state.target.text.decode)
     saved = json.loads(Path(as_json["value"]).read_text())
