@@ -21,6 +21,7 @@ from .vocab_head import FrozenTarget
 
 class TrainedDrafter(Drafter):
     trained = True
+    reads_features = True  # the target's final-norm output at each position (stored beside the training tokens)
 
     def __init__(self, target, settings):
         self.settings = settings

@@ -226,6 +226,13 @@ def test_trained_tree_sampling_matches_target_distribution(method, settings, sam
     assert min(pvalues.values()) > ALPHA, pvalues
 
 
+def test_trained_assistant_sampling_matches_target_distribution(sampling_target, exact_distributions):
+    """sps with the assistant trained here: a chain of sampled drafts, each with its draft distribution."""
+    drafter = trained(sampling_target, "sps", num_tokens=3)
+    pvalues = target_pvalues(sample_outputs(sampling_target, lambda seed: drafter, DRAFTER_RUNS), exact_distributions)
+    assert min(pvalues.values()) > ALPHA, pvalues
+
+
 def test_lookahead_sampling_matches_target_distribution(sampling_target, exact_distributions):
     """Lookahead's two branches are fixed children of one tree: rejection sampling keeps the target's law."""
     drafter = build_drafter("lookahead", sampling_target, window=3, ngram=2, guesses=3)

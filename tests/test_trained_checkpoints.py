@@ -72,7 +72,7 @@ def test_every_trained_method_is_a_trained_drafter_and_the_protocol_is_declared(
 
     trained = {name for name, (cls, _) in ALL.items() if cls.trained}
     assert trained == {name for name, (cls, _) in ALL.items() if issubclass(cls, TrainedDrafter)}
-    assert {"eagle2", "hass", "fspad", "eagle3", "medusa", "redrafter", "semi-attn", "semi-lstm"} == trained
+    assert {"sps", "eagle2", "hass", "fspad", "eagle3", "medusa", "redrafter", "semi-attn", "semi-lstm"} == trained
     with pytest.raises(NotImplementedError):
         TrainedDrafter.new_network(None)
     with pytest.raises(NotImplementedError):

@@ -34,7 +34,7 @@ def handlers(state) -> Handlers:
 def test_state_lists_what_cannot_run_with_the_reason(state):
     assert {"ar", "pld", "skip"} <= set(state.drafters)
     assert "hidden_size=576" in state.unavailable["eagle2"]  # the shipped checkpoint is for the embedded target
-    assert "sps needs an assistant model" in state.unavailable["sps"]
+    assert "or give sps any assistant LM" in state.unavailable["sps"]  # its shipped assistant is the embedded's
     assert set(state.drafters) | set(state.unavailable) == set(METHODS) and state.cold_start_s > 0
 
 

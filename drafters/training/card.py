@@ -49,7 +49,7 @@ def training_card(method: type[TrainedDrafter], target, cfg: TrainConfig, data_m
                      "wall_s": round(facts.wall_s, 1), "processes": facts.processes,
                      "mixed_precision": cfg.mixed_precision, "machine": machine(facts.device)},
         "objective": asdict(objective) if is_dataclass(objective) else None,
-        "features": {"final_norm_output": True, "tapped_layer_inputs": list(facts.tapped_layers)},
+        "features": {"final_norm_output": method.reads_features, "tapped_layer_inputs": list(facts.tapped_layers)},
         "draft_vocab": {"size": int(frozen.vocab_map.numel()),
                         "train_token_coverage": round(facts.train_token_coverage, 4)},
         "history": progress.history,

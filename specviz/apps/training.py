@@ -71,8 +71,9 @@ def train_drafters(names: list[str], target_spec: str | None, recipe, cfg, out: 
         # several runs sharing one host's cores starved each other
     accelerator = make_accelerator(cfg)  # one process per device under `accelerate launch`
     target = load_target(target_spec, "float32", str(accelerator.device))
-    taps_all = all(METHODS[name][0].tapped_layers(target.num_layers) for name in names)  # each runs the body itself
-    train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train", features=not taps_all)
+    stored = any(METHODS[name][0].reads_features and not METHODS[name][0].tapped_layers(target.num_layers)
+                 for name in names)  # else each runs the target's body itself (EAGLE-3) or reads no features
+    train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train", features=stored)
     for name in names:
         key = run_key(METHODS[name][0], recipe.features_key(target), cfg)  # a changed objective is another run
         work = cache_dir() / "train" / "runs" / f"{name}-{key}"
