@@ -34,7 +34,8 @@ import torch
 from conftest import chi2_pvalue, session_checkpoint
 from drafters import build_drafter
 from drafters.sps import AssistantDrafter, AssistantSettings
-from specviz.core.engine import run
+from specviz.core.batch import run_batch
+from specviz.core.engine import output_ids, run
 from specviz.core.protocol import Drafter, DraftRequest
 from specviz.core.target import TargetModel
 from specviz.core.tree import DraftTree
@@ -230,6 +231,18 @@ def test_trained_assistant_sampling_matches_target_distribution(sampling_target,
     """sps with the assistant trained here: a chain of sampled drafts, each with its draft distribution."""
     drafter = trained(sampling_target, "sps", num_tokens=3)
     pvalues = target_pvalues(sample_outputs(sampling_target, lambda seed: drafter, DRAFTER_RUNS), exact_distributions)
+    assert min(pvalues.values()) > ALPHA, pvalues
+
+
+def test_batched_sampling_matches_target_distribution(sampling_target, exact_distributions):
+    """At batch size 8 (``core.batch``): the same runs, seeds and power as the tree drafters' above, each run a
+    lane beside seven others, each drafting its own trees at its own lengths."""
+    drafter = trained(sampling_target, "eagle2", depth=3, top_k=3, total_tokens=8)
+    records = run_batch(sampling_target, drafter, [SAMPLING_PROMPT] * DRAFTER_RUNS, MAX_NEW, Sampling(temperature=1.0),
+                        batch_size=8, stop_on_eos=False, seeds=range(DRAFTER_RUNS))
+    outputs = [output_ids(r) for r in records]
+    assert all(len(o) == MAX_NEW for o in outputs)
+    pvalues = target_pvalues(outputs, exact_distributions)
     assert min(pvalues.values()) > ALPHA, pvalues
 
 

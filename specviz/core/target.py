@@ -75,7 +75,8 @@ class VerifyPadding:
 
 
 class TargetModel:
-    """Wraps a causal LM for one sequence at a time (batch size 1); each decode brings its own cache.
+    """Wraps a causal LM for one sequence at a time, or rows of several (``forward_rows``, used by ``core.batch``);
+    each decode brings its own cache.
 
     ``model`` runs as it is: prepare it first (``core.load.prepare``) for an fp32 head or packed kernels.
     ``tokenizer`` builds ``text``, the chat/EOS helper (``core.text.ChatText``)."""
@@ -136,15 +137,22 @@ class TargetModel:
         ``core.cache.SlabCache`` where every layer is full attention, else transformers' ``DynamicCache``."""
         return cache_for_model(self.config, capacity)
 
-    @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Cache,
                  keep: int = 0):
+        logits, feats = self.forward_rows(ids[None], positions, mask, cache, keep)
+        return logits[0], feats[0]
+
+    @torch.inference_mode()
+    def forward_rows(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Cache,
+                     keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over ``ids`` [B, n] at ``positions`` [B, n] after ``cache``, under ``mask`` (4D, additive;
+        None: causal). Returns logits [B, n', V] (n' = ``keep`` last positions, 0: all) and features [B, n, H]."""
         captured: list[torch.Tensor] = []
         hook = None if self._norm is None else self._norm.register_forward_hook(
             lambda _m, _args, output: captured.append(output))
         try:
             out = self.model(
-                input_ids=ids.to(self.device)[None],
+                input_ids=ids.to(self.device),
                 position_ids=positions.to(self.device),
                 attention_mask=None if mask is None else mask.to(self.device),
                 **cache_kwarg(self.model, cache),
@@ -158,7 +166,7 @@ class TargetModel:
         feats = captured[-1] if hook is not None else out.hidden_states[-1]  # transformers' last entry is normed
         if self.taps:  # hidden_states[i] is the input of layer i (entry 0: the embeddings)
             feats = torch.cat([feats] + [out.hidden_states[i].to(feats.dtype) for i in self.taps], dim=-1)
-        return out.logits[0], feats[0]
+        return out.logits, feats
 
     def prefill(self, ids: list[int] | torch.Tensor, cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill ``cache`` (emptied first) with ``ids``. Returns the last position's logits [V] and features [L, H]."""

@@ -1,0 +1,196 @@
+"""Decoding several sequences at once: every sequence's draft tree verified in one target forward.
+
+The loop is ``engine.generate``'s (draft -> verify -> accept -> commit), over a batch of *lanes*, one per
+sequence, each with its own drafter state, sampling generator and row of a ``BatchSlabCache``:
+
+- a joining lane prefills alone (a forward of its prompt into a one-sequence cache, whose rows then move
+  into the lane's row of the batch cache): a prompt's logits are needed at its last position only;
+- each step, every lane feeds its root and draft tree. The blocks are padded to the longest; a 4D mask gives
+  each row what its own decode would see (its committed context, then its tree's mask) and hides the rest;
+- each lane accepts and commits on its own, so lanes advance by different amounts;
+- a lane that ends leaves the batch and the next prompt joins in its place (continuous batching).
+
+At batch size 1 this is ``engine.generate``: the same drafter calls, the same accept rule, one lane. A lane's
+records are its own, but a step's timings are the whole batch's step: a sequence's speed is its tokens over
+the batch's wall clock, not over its records' time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .batch_cache import BatchSlabCache
+from .cache import SlabCache, full_attention_only
+from .engine import StepRecord, _finish, check_request
+from .protocol import Commit, Drafter, DraftRequest
+from .target import TargetError, TargetModel
+from .timing import PhaseTimer
+from .tree import DraftTree
+from .verify import Sampling, accept
+
+
+@dataclass
+class Lane:
+    """One sequence in the batch."""
+
+    index: int  # its place in the caller's prompts
+    prompt: list[int]
+    limit: int  # its max new tokens
+    state: object  # its drafter state
+    generator: torch.Generator | None
+    sequence: list[int] = field(default_factory=list)  # prompt + output, the pending root last
+    produced: int = 0
+    step: int = 0  # 0: its prefill is next
+
+    def block(self, drafter: Drafter, sampling: Sampling, past: int):
+        """(tree, input ids, positions, tree mask [n, n]) of what this lane feeds this step."""
+        request = DraftRequest(self.sequence, self.limit - self.produced - 1, sampling, self.generator)
+        tree = drafter.propose(self.state, request) if request.max_depth > 0 else DraftTree.empty()
+        return tree, tree.input_ids(self.sequence[-1]), tree.positions(past)[0], tree.ancestors()
+
+
+def batch_mask(pasts: list[int], blocks: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, n, max(past) + n] additive mask: row b's query j (j < its block's n_b) sees its committed
+    positions ``[0, past_b)`` and, inside its block, what ``blocks[b]`` allows. A padding query sees only itself,
+    so no row of the softmax is empty (an empty one is NaN, and NaN keys would poison later reads)."""
+    n = max(block.shape[0] for block in blocks)
+    width = max(pasts) + n
+    allowed = torch.zeros(len(blocks), n, width, dtype=torch.bool)
+    for b, (past, block) in enumerate(zip(pasts, blocks)):
+        m = block.shape[0]
+        allowed[b, :m, :past] = True
+        allowed[b, :m, past: past + m] = block
+        allowed[b, torch.arange(m, n), past + torch.arange(m, n)] = True
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def generate_batch(
+    target: TargetModel,
+    drafter: Drafter,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int | Sequence[int] = 128,
+    sampling: Sampling | None = None,
+    batch_size: int = 4,
+    stop_on_eos: bool = True,
+    seeds: Sequence[int | None] | None = None,
+) -> Iterator[tuple[int, StepRecord]]:
+    """Yield ``(prompt index, record)`` for every lane's prefill and steps, ``batch_size`` lanes at a time.
+
+    Each prompt decodes as ``engine.generate`` would decode it alone: its own drafter state, its own token
+    limit (``max_new_tokens``, one for all or one per prompt) and its own generator seeded with ``seeds[i]``
+    (default: ``sampling.seed`` for every prompt)."""
+    sampling = sampling or Sampling()
+    if batch_size < 1:
+        raise TargetError(f"batch_size must be at least 1, got {batch_size}")
+    if not full_attention_only(target.config):
+        raise TargetError("decoding a batch needs a target whose layers are all full attention")
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(limits) != len(prompts):
+        raise TargetError(f"{len(limits)} token limits for {len(prompts)} prompts")
+    for ids, limit in zip(prompts, limits):
+        check_request(target, ids, limit)
+    seeds = list(seeds) if seeds is not None else [sampling.seed] * len(prompts)
+    eos = target.text.eos_token_ids if stop_on_eos else frozenset()
+    capacity = max((len(p) + limit for p, limit in zip(prompts, limits)), default=1) + 64  # 64: a tree's rows
+    cache = BatchSlabCache(target.num_layers, min(batch_size, max(len(prompts), 1)), capacity)
+    waiting, lanes = deque(range(len(prompts))), []
+    while waiting or lanes:
+        while waiting and len(lanes) < batch_size:  # joiners take the free rows, each prefilled alone
+            i = waiting.popleft()
+            gen = torch.Generator().manual_seed(seeds[i]) if seeds[i] is not None else None
+            lane = Lane(i, list(prompts[i]), limits[i], drafter.start(), gen, list(prompts[i]))
+            record = _prefill(target, drafter, cache, lane, sampling, eos, capacity)
+            yield i, record
+            if record.finished is None:
+                lanes.append(lane)
+            else:
+                cache.drop(cache.active - 1)
+        if not lanes:
+            continue
+        timer, pasts = PhaseTimer(target.device), cache.lengths
+        with timer("draft"):
+            blocks = [lane.block(drafter, sampling, past) for lane, past in zip(lanes, pasts)]
+        with timer("verify"):
+            for (tree, _, _, _), past in zip(blocks, pasts):
+                if past + tree.max_depth + 1 > target.max_length:
+                    raise TargetError(f"verifying {tree.max_depth + 1} positions after {past} exceeds the "
+                                      f"context of {target.max_length}")
+            n = max(ids.numel() for _, ids, _, _ in blocks)
+            ids = torch.zeros(len(lanes), n, dtype=torch.long)
+            positions = torch.zeros(len(lanes), n, dtype=torch.long)
+            for b, (_, row_ids, row_positions, _) in enumerate(blocks):
+                m = row_ids.numel()
+                ids[b, :m], positions[b, :m] = row_ids, row_positions
+                positions[b, m:] = row_positions[-1]  # padding: any position; nothing real sees it
+            mask = batch_mask(pasts, [block for *_, block in blocks], target.dtype)
+            logits, feats = target.forward_rows(ids, positions, mask, cache)
+        ended = []
+        for b, (lane, (tree, row_ids, _, _), past) in enumerate(zip(lanes, blocks, pasts)):
+            record = _settle(drafter, cache, lane, b, tree, row_ids, past, logits[b], feats[b], sampling, eos, timer)
+            if record.finished is not None:
+                ended.append(b)
+            yield lane.index, record
+        for b in sorted(ended, reverse=True):  # the last live row moves into a freed one: mirror it
+            moved = cache.drop(b)
+            if moved is not None:
+                lanes[b] = lanes[moved]
+            lanes.pop()
+
+
+def _prefill(target, drafter, cache: BatchSlabCache, lane: Lane, sampling: Sampling, eos,
+             capacity: int) -> StepRecord:
+    """A joining lane's step 0, alone: its prompt into a one-sequence cache, then into a new row of ``cache``."""
+    timer, tree = PhaseTimer(target.device), DraftTree.empty()
+    with timer("verify"):
+        single = SlabCache(target.num_layers, capacity)
+        logits, feats = target.prefill(lane.prompt, single)
+        cache.adopt(cache.add(), single)
+    with timer("accept"):
+        result = accept(tree, logits[None], sampling, lane.generator)
+        commit = Commit(torch.as_tensor(lane.prompt), feats, result.bonus)
+    return _emit(drafter, lane, tree, result, commit, [result.bonus], eos, timer)
+
+
+def _settle(drafter, cache, lane: Lane, row: int, tree: DraftTree, row_ids: torch.Tensor, past: int,
+            logits: torch.Tensor, feats: torch.Tensor, sampling: Sampling, eos, timer: PhaseTimer) -> StepRecord:
+    """Accept and commit one lane's part of a batched step; its record."""
+    m = row_ids.numel()
+    with timer("accept"):
+        result = accept(tree, logits[:m], sampling, lane.generator)
+        keep = [0] + result.path
+        cache.keep(row, past, keep)
+        top = logits[:m].argmax(-1).cpu() if drafter.reads_verified_top else None
+        commit = Commit(row_ids[keep], feats[:m][keep], result.bonus, top)
+    return _emit(drafter, lane, tree, result, commit, commit.tokens[1:].tolist() + [result.bonus], eos, timer)
+
+
+def _emit(drafter, lane: Lane, tree: DraftTree, result, commit: Commit, new: list[int], eos,
+          timer: PhaseTimer) -> StepRecord:
+    """The drafter learns what was committed; the lane's output grows (cut at EOS or the limit); its record."""
+    with timer("draft"):
+        drafter.observe(lane.state, commit)
+    with timer("other"):
+        new, finished = _finish(new, lane.produced, lane.limit, eos)
+        lane.sequence += new
+        lane.produced += len(new)
+    record = StepRecord(step=lane.step, tree=tree, path=result.path, tokens=new, bonus=result.bonus,
+                        timings=timer.timings, finished=finished)
+    lane.step += 1
+    return record
+
+
+def run_batch(target: TargetModel, drafter: Drafter, prompts: Sequence[list[int]],
+              max_new_tokens: int | Sequence[int] = 128,
+              sampling: Sampling | None = None, batch_size: int = 4, stop_on_eos: bool = True,
+              seeds: Sequence[int | None] | None = None) -> list[list[StepRecord]]:
+    """Every prompt's records, in the prompts' order (``generate_batch``'s arguments)."""
+    records: list[list[StepRecord]] = [[] for _ in prompts]
+    for i, record in generate_batch(target, drafter, prompts, max_new_tokens, sampling, batch_size, stop_on_eos,
+                                    seeds):
+        records[i].append(record)
+    return records

@@ -1,0 +1,155 @@
+"""The target's KV cache for several sequences at once: ``SlabCache``'s buffers with one live length per row.
+
+Each layer owns buffers ``[rows, kv_heads, capacity, head_dim]`` for keys and values. Row r holds one
+sequence, its committed keys and values at positions ``[0, lengths[r])``. A forward over the batch writes
+each row's n new entries at that row's own length, and attention reads positions ``[0, max(lengths) + n)``
+of every live row, as views: the caller's 4D mask (``core.batch``) hides from each row what is not its own
+(a shorter row's stale positions, its padding).
+
+- ``add()`` gives a joining sequence the next free row, empty, and ``adopt(row, cache)`` fills it with what
+  the sequence's own prefill wrote into a one-sequence cache;
+- ``keep(row, past, rows)`` moves the verify entries a row accepted into place after ``past`` and sets
+  its length: O(accepted), whatever the context (a prefix needs no move);
+- ``drop(row)`` frees a finished sequence's row by moving the last live row into it (once, O(its context)),
+  so the live rows stay a prefix ``[0, active)`` and attention never reads a gathered copy.
+
+Invariant: rows ``[0, active)`` are live; row r's positions ``[0, lengths[r])`` are its committed sequence,
+in order; everything else is stale and never read. The buffers start at the batch's row count and the
+capacity asked for, and double when a write goes past it (slower once, never wrong).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache
+from transformers.cache_utils import DynamicLayer
+
+
+class Rows:
+    """What every layer of one ``BatchSlabCache`` shares: how many rows are live and each one's length."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    @property
+    def active(self) -> int:
+        return len(self.lengths)
+
+
+class BatchSlabLayer(DynamicLayer):
+    """One decoder layer's keys and values for every row of the batch."""
+
+    def __init__(self, rows: Rows, batch: int, capacity: int):
+        super().__init__()
+        self.rows, self.batch, self.capacity = rows, max(1, batch), max(1, capacity)
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        shape = (self.batch, key_states.shape[1], self.capacity, key_states.shape[-1])
+        self._keys, self._values = key_states.new_zeros(shape), value_states.new_zeros(shape)
+        self.is_initialized = True
+
+    def _grow(self, batch: int, capacity: int) -> None:
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            new = old.new_zeros((batch, old.shape[1], capacity, old.shape[-1]))  # zeros: never NaN, even unread
+            new[: old.shape[0], :, : old.shape[2]] = old
+            setattr(self, name, new)
+        self.batch, self.capacity = batch, capacity
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write row b's n new entries at ``lengths[b]``; return every live row's ``[0, max(lengths) + n)``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, n = key_states.shape[0], key_states.shape[2]
+        if b != self.rows.active:
+            raise ValueError(f"a forward of {b} rows over a cache with {self.rows.active} live ones")
+        starts = self.rows.lengths
+        end = max(starts) + n
+        if end > self.capacity or b > self.batch:
+            self._grow(max(b, self.batch), max(end, 2 * self.capacity))
+        if len(set(starts)) == 1:  # aligned rows (always so at batch size 1): one slice
+            self._keys[:b, :, starts[0]: end] = key_states
+            self._values[:b, :, starts[0]: end] = value_states
+        else:
+            where = torch.tensor(starts, device=self.device)[:, None] + torch.arange(n, device=self.device)
+            which = torch.arange(b, device=self.device)[:, None]
+            self._keys[which, :, where] = key_states.transpose(1, 2)  # indexed dims first: [b, n, heads, dim]
+            self._values[which, :, where] = value_states.transpose(1, 2)
+        self.keys, self.values = self._keys[:b, :, :end], self._values[:b, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return max(self.rows.lengths, default=0)
+
+    @torch.inference_mode()  # the buffers were made by a forward under inference mode
+    def keep(self, row: int, past: int, index: torch.Tensor) -> None:
+        n = index.numel()
+        for buffer in (self._keys, self._values):
+            buffer[row, :, past: past + n] = buffer[row].index_select(1, index)  # gathered first: sources overlap
+
+    @torch.inference_mode()
+    def move(self, source: int, target: int, length: int) -> None:
+        for buffer in (self._keys, self._values):
+            buffer[target, :, :length] = buffer[source, :, :length]
+
+
+class BatchSlabCache(Cache):
+    """A KV cache of ``BatchSlabLayer``s for up to ``batch`` sequences of ``capacity`` tokens each (both grow)."""
+
+    def __init__(self, num_layers: int, batch: int, capacity: int = 256):
+        self.rows = Rows()
+        super().__init__(layers=[BatchSlabLayer(self.rows, batch, capacity) for _ in range(num_layers)])
+
+    @property
+    def lengths(self) -> list[int]:
+        return list(self.rows.lengths)
+
+    @property
+    def active(self) -> int:
+        return self.rows.active
+
+    def add(self) -> int:
+        """A row for a joining sequence, empty; returns its index (the last live row)."""
+        self.rows.lengths.append(0)
+        return self.rows.active - 1
+
+    def adopt(self, row: int, single: Cache) -> None:
+        """Copy a one-sequence cache (a lone prefill's ``SlabCache``) into ``row``, which takes its length."""
+        length = single.get_seq_length()
+        for layer, source in zip(self.layers, single.layers):
+            keys, values = source.keys[:, :, :length], source.values[:, :, :length]
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys, values)
+            if length > layer.capacity or row >= layer.batch:
+                layer._grow(max(row + 1, layer.batch), max(length, 2 * layer.capacity))
+            layer._keys[row, :, :length] = keys[0]
+            layer._values[row, :, :length] = values[0]
+        self.rows.lengths[row] = length
+
+    def keep(self, row: int, past: int, rows: list[int]) -> None:
+        """Keep verify entries ``rows`` (indices after ``past``, in sequence order) of ``row`` as its positions
+        ``past, past + 1, ...``; its length becomes ``past + len(rows)``."""
+        if rows != list(range(len(rows))):  # a prefix is in place already
+            index = past + torch.as_tensor(rows, dtype=torch.long)
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.keep(row, past, index.to(layer.device))
+        self.rows.lengths[row] = past + len(rows)
+
+    def drop(self, row: int) -> int | None:
+        """Free ``row``: the last live row moves into it. Returns the row that moved (None: it was the last)."""
+        last = self.rows.active - 1
+        if row != last:
+            length = self.rows.lengths[last]
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.move(last, row, length)
+            self.rows.lengths[row] = length
+        self.rows.lengths.pop()
+        return last if row != last else None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.rows.lengths, default=0)
