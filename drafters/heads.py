@@ -129,4 +129,5 @@ class HeadDrafter(TrainedDrafter):
         if length < 1 or state.x is None:
             return DraftTree.empty()
         beams, logps = beam_search(self.net, self.frozen, state.x, state.root, self.settings.width, length)
-        return DraftTree.from_beams(beams.cpu(), logps.cpu())
+        merged = getattr(self.settings, "tree_attention", 1)  # ReDrafter's ablation can keep the beams apart
+        return (DraftTree.from_beams if merged else DraftTree.from_beams_apart)(beams.cpu(), logps.cpu())

@@ -9,9 +9,13 @@ one tree, verified in a single forward, and records the compression ratio.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specviz.core.errors import SettingsError
 
 from .heads import BeamSettings, HeadDrafter, ResBlock
 
@@ -34,8 +38,17 @@ class RecurrentHead(nn.Module):
         return self.out(self.blocks(torch.cat([state[0], x], dim=-1)))
 
 
+@dataclass
 class RedrafterSettings(BeamSettings):
+    # 1: the beams merged into one tree (dynamic tree attention); 0: each beam a branch of its own, nothing
+    # shared (the paper's ablation, Fig. 6), to measure what the merge saves
+    tree_attention: int = 1
     PAPER = {"width": 4, "length": 4}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tree_attention not in (0, 1):
+            raise SettingsError(f"tree_attention is 1 (beams merged) or 0 (apart), got {self.tree_attention!r}")
 
 
 class RedrafterDrafter(HeadDrafter):

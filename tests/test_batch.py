@@ -72,10 +72,13 @@ def test_each_row_of_a_batched_verify_equals_its_own_sequence(target):
     torch.testing.assert_close(batch.layers[0]._keys[0, :, : batch.lengths[0]], singles[2].layers[0].keys[0])
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "lookahead", "eagle2", "redrafter", "sps"])
-def test_every_sequence_equals_its_own_batch_1_decode(target, method):
-    drafter = build_drafter(method, target) if method in ("ar", "pld", "lookahead") else build_drafter(
-        method, target, checkpoint=str(session_checkpoint(target, method)))
+@pytest.mark.parametrize("method, settings", [("ar", {}), ("pld", {}), ("lookahead", {}), ("eagle2", {}),
+                                               ("redrafter", dict(width=3, length=3)),
+                                               ("redrafter", dict(width=3, length=3, tree_attention=0)), ("sps", {})],
+                         ids=["ar", "pld", "lookahead", "eagle2", "redrafter", "redrafter-apart", "sps"])
+def test_every_sequence_equals_its_own_batch_1_decode(target, method, settings):
+    drafter = build_drafter(method, target, **settings) if method in ("ar", "pld", "lookahead") else build_drafter(
+        method, target, checkpoint=str(session_checkpoint(target, method)), **settings)
     texts, limits = prompts(7, seed=2), [24, 5, 31, 1, 17, 24, 9]  # ones that end early make room for joiners
     alone = [run(target, drafter, ids, n, stop_on_eos=False).output_ids for ids, n in zip(texts, limits)]
     for batch_size in (2, 3, 7):
@@ -83,6 +86,8 @@ def test_every_sequence_equals_its_own_batch_1_decode(target, method):
         assert [output_ids(r) for r in records] == alone, batch_size
         assert [len(output_ids(r)) for r in records] == limits
         assert all(r[0].step == 0 and r[-1].finished == "length" for r in records)
+    if settings.get("tree_attention") == 0:  # beams apart: every beam's every token is a node of its own
+        assert all(len(s.tree) == 3 * s.tree.max_depth for r in records for s in r[1:])
     if method != "ar":  # the drafts were accepted, unevenly: the sequences advanced by different amounts
         accepted = [sum(s.accepted for s in r) for r in records]
         assert sum(accepted) > 0 and len(set(accepted)) > 1, accepted

@@ -227,3 +227,11 @@ def test_dedup_tree_gives_same_logits_as_each_beam(seed, tiny_target):
         chain, _ = target.verify(root, DraftTree.chain(beams[i]), cache)
         nodes = [0] + tree.info["beam_nodes"][i].tolist()
         torch.testing.assert_close(merged[nodes], chain, atol=1e-4, rtol=1e-4)
+
+
+def test_beams_apart_share_nothing():
+    beams = torch.tensor([[1, 2, 3], [1, 2, 4], [5, 6, 7]])
+    apart, merged = DraftTree.from_beams_apart(beams), DraftTree.from_beams(beams)
+    assert len(apart) == 9 and len(merged) == 7 and apart.info["compression"] == 1.0
+    assert [apart.tokens[[i - 1 for i in path]].tolist() for path in apart.paths()] == beams.tolist()
+    assert apart.parents.tolist() == [0, 1, 2, 0, 4, 5, 0, 7, 8]

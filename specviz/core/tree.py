@@ -88,6 +88,18 @@ class DraftTree:
         tree.info.update(beams=beams.clone(), beam_nodes=node_of, compression=width * length / max(len(tree), 1))
         return tree
 
+    @classmethod
+    def from_beams_apart(cls, beams: torch.Tensor, logprobs: torch.Tensor | None = None) -> "DraftTree":
+        """Beams [W, L] as W separate branches of the root, nothing shared: what a verify without tree attention
+        checks (each beam on its own, as ReDrafter's ablation flattens them). Beam w's depth-d token is node
+        w * L + d + 1."""
+        width, length = beams.shape
+        index = torch.arange(width * length).reshape(width, length) + 1
+        parents = torch.cat([torch.zeros(width, 1, dtype=torch.long), index[:, :-1]], dim=1)
+        tree = cls(beams.reshape(-1), parents.reshape(-1), None if logprobs is None else logprobs.reshape(-1))
+        tree.info.update(beams=beams.clone(), beam_nodes=index, compression=1.0)
+        return tree
+
     def padded(self, extra: int) -> "DraftTree":
         """This tree plus ``extra`` filler nodes after every real one, so none of them is an ancestor of a
         real node: a chain continues as a chain, a tree gets children of the root."""
