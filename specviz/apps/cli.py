@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "per core); the command without --part, with --resume, takes the finished parts in")
     b.add_argument("--any-machine", action="store_true",
                    help="let --resume continue a log from another machine (τ-only runs: the speed figures mix)")
+    b.add_argument("--batch-sizes", "--batch-size", default=None, metavar="B[,B...]",
+                   help="decode the questions B at a time (continuous batching), each method beside AR at every B: "
+                        "throughput, one sequence's speed and τ per batch size (apps.batching)")
 
     pr = sub.add_parser("profile", help="verify-cost curve: ms per target forward vs tokens verified")
     pr.add_argument("--target", default=None)
@@ -218,6 +221,8 @@ def cmd_bench(args) -> None:  # apps.bench (the loop) and apps.runlog (its log, 
     sampling = _sampling(args)
     methods = _with_drafters(args, [m for m in args.methods.split(",") if m.strip()])
     questions = load_questions(args.questions, args.limit, args.per_category)
+    if args.batch_sizes:
+        return _bench_batches(args, methods, questions, sampling)
     target = _target(args)
     settings = bench_settings(target, methods, questions, args.max_new_tokens, sampling, args.dtype)
     # a resume runs at the budgets its log recorded, not at what the tuner (or a lost cache) would choose now
@@ -230,6 +235,23 @@ def cmd_bench(args) -> None:  # apps.bench (the loop) and apps.runlog (its log, 
     if args.update_cards and not result.interrupted and not args.part:
         for folder in record_benchmark(result, args.out):
             print(f"updated {folder / 'card.json'}")
+
+
+def _bench_batches(args, methods: list[str], questions, sampling) -> None:  # apps.batching
+    from .batching import batch_sweep
+    from .methods import is_baseline, parse_method
+
+    try:
+        sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        raise SpecvizError(f"--batch-sizes takes whole numbers, e.g. 1,2,4,8; got {args.batch_sizes!r}") from None
+    if args.resume or args.part or args.update_cards or any(is_baseline(parse_method(m)[0]) for m in methods):
+        raise SpecvizError("--batch-sizes runs engine methods in one go: no --resume, --part, --update-cards, hf")
+    target = _target(args)
+    sweep = batch_sweep(target, methods, questions, sizes, args.max_new_tokens, sampling, args.questions,
+                        on_point=lambda s: s.save(Path(args.out)))  # a killed sweep keeps its points
+    print(sweep.markdown())
+    print(f"wrote {args.out}")
 
 
 def cmd_profile(args) -> None:  # apps.profile

@@ -14,6 +14,7 @@ from pathlib import Path
 from specviz.core import files
 from specviz.core.errors import SettingsError
 
+from .batch_results import BatchSweep
 from .orderings import ordering_table
 from .results import BenchResult, budget_table, markdown_rows, markdown_table, merge
 
@@ -51,7 +52,9 @@ def summary_table(result: BenchResult) -> str:
 
 def report(paths: list[str]) -> str:
     """What ``python -m specviz report FILE...`` prints: the runs merged (each method from the first run that
-    has it), their headline and tables."""
+    has it), their headline and tables; a batch-size sweep's file, its table."""
+    if len(paths) == 1 and {"points", "max_new_tokens"} <= (_read(Path(paths[0])) or {}).keys():
+        return BatchSweep.load(Path(paths[0])).markdown()
     result = merge([BenchResult.load(Path(p)) for p in paths], list(paths))
     merged = ("merged from " + ", ".join(paths) + " (speeds compare within one run only)\n") if len(paths) > 1 else ""
     return merged + headline(result) + "\n\n" + bench_report(result)
@@ -114,7 +117,7 @@ def _app_speed_section(name: str, d: dict) -> str:
 def results_doc(folder: Path | None = None) -> str:
     """``docs/results.md``: every results file in ``folder`` as a section, benches first, then the verify-cost
     curves and the temperature sweeps; files of another layout are named, not read."""
-    benches, profiles, sweeps, reliability, app, other = [], [], [], [], [], []
+    benches, profiles, sweeps, reliability, app, batches, other = [], [], [], [], [], [], []
     for path in sorted(p for p in Path(folder or BENCH_DIR).iterdir() if p.name.endswith((".json", ".json.xz"))):
         d = _read(path)
         if d is not None and {"methods", "per_prompt"} <= d.keys():
@@ -128,6 +131,9 @@ def results_doc(folder: Path | None = None) -> str:
             continue
         elif d is not None and isinstance(d.get("rows"), list):
             sweeps.append(_sweep_section(path.name, d))
+            continue
+        elif d is not None and {"points", "max_new_tokens"} <= d.keys():
+            batches.append(f"### `{path.name}`\n\n" + BatchSweep.from_dict(d).markdown())
             continue
         elif d is not None and {"summary", "first_token_on_screen_s"} <= d.keys():
             app.append(_app_speed_section(path.name, d))
@@ -147,6 +153,9 @@ def results_doc(folder: Path | None = None) -> str:
                      + markdown_rows(["file", "machine", "dtype", "shape", "context", "date", "tokens: ms"], profiles))
     if sweeps:
         parts.append("## Temperature sweeps\n\n" + "\n\n".join(sweeps))
+    if batches:
+        parts.append("## Throughput against batch size\n\n`python -m specviz bench --batch-sizes ...`: the questions "
+                     "decoded B at a time, each method beside AR at the same B.\n\n" + "\n\n".join(batches))
     if reliability:
         parts.append("## Reliability\n\n" + "\n\n".join(reliability))
     if app:

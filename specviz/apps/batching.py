@@ -1,0 +1,82 @@
+"""Throughput against batch size (``bench --batch-sizes``): every method decodes the questions B at a time
+(``core.batch``, continuous batching), beside AR at the same B, in one process.
+
+Speculation's gain shrinks as the batch grows: at batch 1 a verify of many tokens costs about what one token
+costs (the forward is bound by reading the weights), but a full batch already keeps the machine's arithmetic
+busy, and every draft token then costs its share. Per point the sweep records the batch's throughput (all
+sequences' tokens per second), each sequence's own speed (its tokens over its time in the batch, averaged),
+τ (tokens per target forward a sequence took part in) and, greedy, how many sequences equal AR's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from datetime import date
+
+from drafters import build_drafter
+from specviz.core.batch import generate_batch
+from specviz.core.errors import SettingsError
+from specviz.core.metrics import tau
+from specviz.core.target import TargetModel
+from specviz.core.verify import Sampling
+
+from .batch_results import BatchPoint, BatchSweep
+from .machine import machine_description
+from .methods import parse_method
+from .questions import Question
+from .tuning import resolve
+
+
+def measure(target: TargetModel, label: str, prompts: list[list[int]], batch_size: int, max_new_tokens: int,
+            sampling: Sampling) -> tuple[BatchPoint, list[list[int]]]:
+    """One method at one batch size over ``prompts``: its point and every sequence's output."""
+    name, given = parse_method(label)
+    settings, _ = resolve(target, name, given)  # the budget tuned here (at batch size 1), unless given
+    drafter = build_drafter(name, target, **settings)
+    for _ in generate_batch(target, drafter, prompts[:2], 4, sampling, min(batch_size, 2)):
+        pass  # warm-up: one-off costs stay out of the timing
+    records: list[list] = [[] for _ in prompts]
+    joined, left = [0.0] * len(prompts), [0.0] * len(prompts)
+    start = time.perf_counter()
+    for i, record in generate_batch(target, drafter, prompts, max_new_tokens, sampling, batch_size):
+        now = time.perf_counter()
+        if record.step == 0:
+            joined[i] = now - record.timings.total  # it joined when its prefill began
+        records[i].append(record)
+        left[i] = now
+    wall = time.perf_counter() - start
+    outputs = [[t for r in rs for t in r.tokens] for rs in records]
+    tokens = sum(map(len, outputs))
+    steps = [r for rs in records for r in rs if r.step > 0]
+    pooled_tau = sum(r.accepted + 1 for r in steps) / len(steps) if steps else tau([])
+    speeds = [len(o) / (b - a) for o, a, b in zip(outputs, joined, left) if b > a]
+    point = BatchPoint(label, batch_size, len(prompts), tokens, round(wall, 3), round(pooled_tau, 3),
+                       round(tokens / wall, 2), round(sum(speeds) / max(len(speeds), 1), 2), settings=settings)
+    return point, outputs
+
+
+def batch_sweep(target: TargetModel, methods: list[str], questions: list[Question], batch_sizes: list[int],
+                max_new_tokens: int = 128, sampling: Sampling | None = None, source: str = "",
+                on_point=None) -> BatchSweep:
+    """Every method (AR first, always) at every batch size on ``questions``; ``on_point(sweep)`` after each."""
+    sampling = sampling or Sampling()
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise SettingsError(f"batch sizes must be positive integers, got {batch_sizes}")
+    labels = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+    prompts = [target.text.encode_chat(q.prompt) for q in questions]
+    sweep = BatchSweep(target.name, str(target.device), str(target.dtype).replace("torch.", ""),
+                       machine_description(), str(date.today()), f"{source or 'questions'} ({len(prompts)})",
+                       max_new_tokens, asdict(sampling))
+    for batch_size in batch_sizes:
+        reference = None
+        for label in labels:
+            point, outputs = measure(target, label, prompts, batch_size, max_new_tokens, sampling)
+            if label == "ar":
+                reference = outputs
+            elif sampling.greedy and reference is not None:
+                point = BatchPoint(**{**asdict(point), "identical": sum(a == b for a, b in zip(outputs, reference))})
+            sweep.points.append(point)
+            if on_point is not None:
+                on_point(sweep)
+    return sweep

@@ -1,0 +1,57 @@
+"""``bench --batch-sizes`` (``apps.batching``, ``apps.batch_results``) on a tiny target: a point per method and batch
+size, AR at every size, outputs checked against AR's, a results file that reads back and renders."""
+
+from __future__ import annotations
+
+import pytest
+
+from specviz.apps.batch_results import BatchSweep
+from specviz.apps.batching import batch_sweep
+from specviz.apps.cli import main
+from specviz.apps.questions import load_questions
+from specviz.core.load import load_target
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target(str(tiny_target_dir), "float32", "cpu")
+
+
+def test_a_sweep_has_every_method_at_every_batch_size_beside_ar(target, tmp_path):
+    questions = load_questions("mt-bench", limit=3)
+    saved = []
+    sweep = batch_sweep(target, ["pld:num_tokens=3", "lookahead"], questions, [1, 2], max_new_tokens=12,
+                        source="mt-bench", on_point=lambda s: saved.append(len(s.points)))
+    assert [(p.method, p.batch_size) for p in sweep.points] == [
+        (m, b) for b in (1, 2) for m in ("ar", "pld:num_tokens=3", "lookahead")]
+    assert saved == [1, 2, 3, 4, 5, 6]  # after every point: a killed sweep keeps what it measured
+    for p in sweep.points:
+        assert p.sequences == 3 and p.new_tokens == 36 and p.throughput > 0 and p.sequence_tok_s > 0
+        assert p.identical in (None, 3)  # greedy and lossless: every sequence is AR's
+        assert (p.identical is None) == (p.method == "ar")
+    assert sweep.speedup(sweep.point("ar", 2)) == 1.0 and sweep.point("ar", 1).tau == 1.0
+    assert sweep.point("pld:num_tokens=3", 1).settings == {"num_tokens": 3}
+    assert sweep.point("lookahead", 2).tau == sweep.point("lookahead", 1).tau  # τ does not depend on the batch
+    path = tmp_path / "sweep.json"
+    sweep.save(path)
+    again = BatchSweep.load(path)
+    assert again == sweep
+    table = again.markdown()
+    assert "| method | batch 1 | batch 2 |" in table and "| lookahead |" in table and "(1.00×)" in table
+
+
+def test_the_command_writes_the_sweep_and_refuses_what_it_cannot_do(tiny_target_dir, tmp_path, capsys):
+    out = tmp_path / "batches.json"
+    main(["bench", "--target", str(tiny_target_dir), "--dtype", "float32", "--methods", "pld", "--limit", "2",
+          "--max-new-tokens", "6", "--batch-sizes", "1,2", "--out", str(out)])
+    assert "| pld |" in capsys.readouterr().out
+    assert [(p.method, p.batch_size) for p in BatchSweep.load(out).points] == [
+        ("ar", 1), ("pld", 1), ("ar", 2), ("pld", 2)]
+    main(["report", str(out)])
+    assert "| method | batch 1 | batch 2 |" in capsys.readouterr().out
+    refused = ((["--batch-sizes", "1,x"], "whole numbers"), (["--batch-sizes", "2", "--resume"], "no --resume"),
+               (["--batch-sizes", "0"], "positive integers"))
+    for bad, message in refused:
+        code = main(["bench", "--target", str(tiny_target_dir), "--dtype", "float32", "--methods", "pld", "--limit",
+                     "1", "--max-new-tokens", "4", "--out", str(tmp_path / "no.json"), *bad])
+        assert code == 2 and message in capsys.readouterr().err and not (tmp_path / "no.json").exists()
