@@ -55,3 +55,35 @@ def test_the_command_writes_the_sweep_and_refuses_what_it_cannot_do(tiny_target_
         code = main(["bench", "--target", str(tiny_target_dir), "--dtype", "float32", "--methods", "pld", "--limit",
                      "1", "--max-new-tokens", "4", "--out", str(tmp_path / "no.json"), *bad])
         assert code == 2 and message in capsys.readouterr().err and not (tmp_path / "no.json").exists()
+
+
+def test_the_benchmark_tab_streams_the_sweep_as_a_figure_and_a_table(tiny_target_dir):
+    from specviz.apps.web.handlers import BATCH_SIZES, Handlers
+    from specviz.apps.web.plan import setting_specs
+    from specviz.apps.web.state import load_state
+
+    state = load_state(str(tiny_target_dir), "float32", "cpu", tune="off")
+    updates = list(Handlers(state, setting_specs(state)).batches("mt-bench", "first N", 2, ["ar", "pld"], 8))
+    figure, table, status = updates[-1]
+    total = 2 * len(BATCH_SIZES)
+    assert len(updates) == total and status.startswith(f"{total} of {total} points")
+    assert list(table["method"]) == ["ar", "pld"] * len(BATCH_SIZES) and set(table["batch"]) == set(BATCH_SIZES)
+    assert [t.name for t in figure.data] == ["pld"] and list(figure.data[0].x) == list(BATCH_SIZES)
+
+
+def test_redrafters_two_modes_get_their_own_panel():
+    from specviz.apps.batch_plot import batch_figure
+    from specviz.apps.batch_results import BatchPoint, BatchSweep
+
+    sweep = BatchSweep("t", "cpu", "float32", "m", "d", "q", 8, {})
+    for b, ar, merged, apart in ((1, 10.0, 14.0, 11.0), (4, 30.0, 33.0, 27.0)):
+        sweep.points += [BatchPoint("ar", b, 4, 32, 1.0, 1.0, ar, ar / b),
+                         BatchPoint("redrafter:preset=paper", b, 4, 32, 1.0, 2.5, merged, merged / b),
+                         BatchPoint("redrafter:preset=paper:tree_attention=0", b, 4, 32, 1.0, 2.5, apart, apart / b)]
+    figure = batch_figure(sweep)
+    speedups = {t.name: list(t.y) for t in figure.data if t.xaxis == "x"}
+    assert speedups == {"redrafter:preset=paper": pytest.approx([1.4, 1.1]),
+                        "redrafter:preset=paper:tree_attention=0": pytest.approx([1.1, 0.9])}
+    panel = [t for t in figure.data if t.xaxis == "x2"]
+    assert [list(t.y) for t in panel] == [[14.0, 33.0], [11.0, 27.0]] and panel[1].line.dash == "dash"
+    assert batch_figure(None).data == ()

@@ -11,6 +11,7 @@ sequences' tokens per second), each sequence's own speed (its tokens over its ti
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from datetime import date
 
@@ -56,10 +57,9 @@ def measure(target: TargetModel, label: str, prompts: list[list[int]], batch_siz
     return point, outputs
 
 
-def batch_sweep(target: TargetModel, methods: list[str], questions: list[Question], batch_sizes: list[int],
-                max_new_tokens: int = 128, sampling: Sampling | None = None, source: str = "",
-                on_point=None) -> BatchSweep:
-    """Every method (AR first, always) at every batch size on ``questions``; ``on_point(sweep)`` after each."""
+def sweep_points(target: TargetModel, methods: list[str], questions: list[Question], batch_sizes: list[int],
+                 max_new_tokens: int = 128, sampling: Sampling | None = None, source: str = "") -> Iterator[BatchSweep]:
+    """Every method (AR first, always) at every batch size on ``questions``: the sweep so far after each point."""
     sampling = sampling or Sampling()
     if not batch_sizes or min(batch_sizes) < 1:
         raise SettingsError(f"batch sizes must be positive integers, got {batch_sizes}")
@@ -77,6 +77,16 @@ def batch_sweep(target: TargetModel, methods: list[str], questions: list[Questio
             elif sampling.greedy and reference is not None:
                 point = BatchPoint(**{**asdict(point), "identical": sum(a == b for a, b in zip(outputs, reference))})
             sweep.points.append(point)
-            if on_point is not None:
-                on_point(sweep)
+            yield sweep
+
+
+def batch_sweep(target: TargetModel, methods: list[str], questions: list[Question], batch_sizes: list[int],
+                max_new_tokens: int = 128, sampling: Sampling | None = None, source: str = "",
+                on_point=None) -> BatchSweep:
+    """``sweep_points`` to the end; ``on_point(sweep)`` after each point (a caller saves it: a killed sweep keeps
+    what it measured)."""
+    sweep = None
+    for sweep in sweep_points(target, methods, questions, batch_sizes, max_new_tokens, sampling, source):
+        if on_point is not None:
+            on_point(sweep)
     return sweep

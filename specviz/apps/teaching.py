@@ -94,6 +94,18 @@ class Note:
     look: str  # what its plots should show
 
 
+BATCHING = (
+    "### Why the gain shrinks as the batch grows\n"
+    "At batch size 1 a forward reads every weight once to make one token, and verifying eight tokens reads them "
+    "once too: on most machines the verify costs little more than one token, so every accepted draft is nearly "
+    "free. A batch of B sequences already puts B tokens through every weight it reads; with B draft trees per "
+    "forward the machine's arithmetic, not its memory, sets the time, each draft token costs about what a real "
+    "one does, and a rejected one is work thrown away. Serving engines therefore draft less as the batch grows "
+    "(vLLM keeps a draft length per batch size) or stop drafting at large batches. The Benchmark tab's batch "
+    "sweep measures where that happens here. ReDrafter's dynamic tree attention is one answer: its beams share "
+    "prefixes, and merged into one tree those are verified once (the sweep runs its beams both ways)."
+)
+
 NOTES = {
     "ar": Note("nothing: the target alone, one token per forward", "none", "the baseline",
                "τ = 1 and no draft: every token is amber. All speedups are measured against this column."),

@@ -28,6 +28,7 @@ from .state import AppState
 SHOW_EVERY_S = 0.5  # the columns are redrawn at most this often while streaming
 COMPARE_BUDGET_S = float(os.environ.get("SPECVIZ_COMPARE_BUDGET_S", 120))  # engine time per /compare call
 BENCH_BUDGET_S = float(os.environ.get("SPECVIZ_BENCH_BUDGET_S", 600))  # engine time per Benchmark-tab run
+BATCH_SIZES = (1, 2, 4)  # the Benchmark tab's batch sweep (the CLI takes any)
 
 
 def _session(request: gr.Request | None) -> str:
@@ -200,6 +201,38 @@ class Handlers:
                     notes.append(f"stopped at this page's budget of {BENCH_BUDGET_S / 60:.0f} min")
                     steps.close()
                 yield render.sweep_figure(rows), pd.DataFrame(rows), "\n".join(notes)
+        except SpecvizError as e:
+            raise gr.Error(str(e)) from None
+
+    def batches(self, question_set: str, subset: str, count: int, methods: list[str], max_new_tokens: int,
+                progress=gr.Progress(track_tqdm=True)):
+        """The Benchmark tab's batch sweep: the questions B at a time, each method beside AR at every B; ReDrafter
+        also at its paper's beams, merged into one tree and kept apart (its Fig. 6)."""
+        import pandas as pd
+
+        from ..batch_plot import batch_figure
+        from ..batching import sweep_points
+
+        state = self.state
+        try:
+            questions, picked, max_new_tokens, notes = self._bench_request(question_set, subset, count, methods,
+                                                                           max_new_tokens, (2, 64))
+            labels = picked + (["redrafter:preset=paper", "redrafter:preset=paper:tree_attention=0"]
+                               if "redrafter" in picked else [])
+            steps = state.on_engine_thread(sweep_points(state.target, labels, questions, list(BATCH_SIZES),
+                                                        max_new_tokens, source=question_set))
+            deadline, total = time.perf_counter() + BENCH_BUDGET_S, len(BATCH_SIZES) * (len(set(labels) - {"ar"}) + 1)
+            for sweep in steps:
+                if time.perf_counter() > deadline:
+                    notes.append(f"stopped at this page's budget of {BENCH_BUDGET_S / 60:.0f} min; "
+                                 "`python -m specviz bench --batch-sizes` runs any sweep")
+                    steps.close()
+                progress((len(sweep.points), total), desc=f"{len(sweep.points)} of {total} points")
+                rows = [{"method": p.method, "batch": p.batch_size, "tok/s": p.throughput,
+                         "× AR": round(sweep.speedup(p) or 1.0, 2), "tok/s per sequence": p.sequence_tok_s,
+                         "τ": p.tau, "identical to AR": p.identical} for p in sweep.points]
+                yield batch_figure(sweep), pd.DataFrame(rows), "\n".join(
+                    [f"{len(sweep.points)} of {total} points on {sweep.machine}", *notes])
         except SpecvizError as e:
             raise gr.Error(str(e)) from None
 

@@ -12,6 +12,7 @@ from specviz.core.errors import SpecvizError
 from specviz.core.load import EMBEDDED
 
 from .. import render
+from ..batch_plot import batch_figure
 from ..questions import load_questions
 from . import views
 from .body_limit import BodyLimit, max_request_bytes
@@ -200,6 +201,20 @@ def build_demo(state: AppState) -> gr.Blocks:
                                               [sweep_plot, sweep_table, sweep_status], concurrency_id="engine",
                                               api_name="sweep")
                 bench_stop.click(None, cancels=[sweep_event])
+            with gr.Accordion("Batch size: throughput against batch size, per method", open=False):
+                gr.Markdown("The questions above decoded 1, 2 and 4 at a time (continuous batching), each method "
+                            "beside AR at the same batch size. Speculation's gain shrinks as the batch fills the "
+                            "machine (the Learn tab says why); with `redrafter` picked, its paper's 4×4 beams also "
+                            "run merged into one tree and kept apart: ReDrafter's Figure 6.")
+                batch_btn = gr.Button("Run batch sweep (batch 1, 2, 4)", elem_id="batch-sweep")
+                batch_status = gr.Markdown()
+                batch_plot = gr.Plot(batch_figure(None), label="batch size", elem_id="plot-batch")
+                batch_table = gr.Dataframe(label="per method and batch size", elem_id="batch-table")
+                batch_event = batch_btn.click(GPU(handlers.batches), [bench_set, bench_subset, bench_count,
+                                                                      bench_methods, bench_tokens],
+                                              [batch_plot, batch_table, batch_status], concurrency_id="engine",
+                                              api_name="batches")
+                bench_stop.click(None, cancels=[batch_event])
         with gr.Tab("Learn"):
             gr.Markdown(views.learn_text(state, notes=False))
             for name, drafter in state.drafters.items():

@@ -199,7 +199,7 @@ def learn_text(state: AppState, notes: bool = True) -> str:
     """The Learn tab's text: the papers, how to read the race, precision, budgets (and each method's note)."""
     parts = [teaching.FOUNDATIONS,
              "Papers: " + " · ".join(f"[{k}]({v})" if v else k for k, v in teaching.PAPERS.items()),
-             teaching.READING, teaching.PRECISION, teaching.BUDGETS]
+             teaching.READING, teaching.PRECISION, teaching.BUDGETS, teaching.BATCHING]
     if notes:
         parts += [method_note(state, name) for name in state.drafters]
         parts += [f"### {k}\n**Unavailable here:** {v}" for k, v in state.unavailable.items()]
