@@ -20,10 +20,11 @@ def target(tiny_target_dir):
 def test_a_sweep_has_every_method_at_every_batch_size_beside_ar(target, tmp_path):
     questions = load_questions("mt-bench", limit=3)
     saved = []
-    sweep = batch_sweep(target, ["pld:num_tokens=3", "lookahead"], questions, [1, 2], max_new_tokens=12,
+    look = "lookahead:window=2:ngram=3:guesses=2"  # settings given: nothing to tune
+    sweep = batch_sweep(target, ["pld:num_tokens=3", look], questions, [1, 2], max_new_tokens=12,
                         source="mt-bench", on_point=lambda s: saved.append(len(s.points)))
     assert [(p.method, p.batch_size) for p in sweep.points] == [
-        (m, b) for b in (1, 2) for m in ("ar", "pld:num_tokens=3", "lookahead")]
+        (m, b) for b in (1, 2) for m in ("ar", "pld:num_tokens=3", look)]
     assert saved == [1, 2, 3, 4, 5, 6]  # after every point: a killed sweep keeps what it measured
     for p in sweep.points:
         assert p.sequences == 3 and p.new_tokens == 36 and p.throughput > 0 and p.sequence_tok_s > 0
@@ -31,13 +32,13 @@ def test_a_sweep_has_every_method_at_every_batch_size_beside_ar(target, tmp_path
         assert (p.identical is None) == (p.method == "ar")
     assert sweep.speedup(sweep.point("ar", 2)) == 1.0 and sweep.point("ar", 1).tau == 1.0
     assert sweep.point("pld:num_tokens=3", 1).settings == {"num_tokens": 3}
-    assert sweep.point("lookahead", 2).tau == sweep.point("lookahead", 1).tau  # τ does not depend on the batch
+    assert sweep.point(look, 2).tau == sweep.point(look, 1).tau  # τ does not depend on the batch
     path = tmp_path / "sweep.json"
     sweep.save(path)
     again = BatchSweep.load(path)
     assert again == sweep
     table = again.markdown()
-    assert "| method | batch 1 | batch 2 |" in table and "| lookahead |" in table and "(1.00×)" in table
+    assert "| method | batch 1 | batch 2 |" in table and f"| {look} |" in table and "(1.00×)" in table
 
 
 def test_the_command_writes_the_sweep_and_refuses_what_it_cannot_do(tiny_target_dir, tmp_path, capsys):
