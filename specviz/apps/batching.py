@@ -33,7 +33,7 @@ def measure(target: TargetModel, label: str, prompts: list[list[int]], batch_siz
             sampling: Sampling) -> tuple[BatchPoint, list[list[int]]]:
     """One method at one batch size over ``prompts``: its point and every sequence's output."""
     name, given = parse_method(label)
-    settings, _ = resolve(target, name, given)  # the budget tuned here (at batch size 1), unless given
+    settings, _ = resolve(target, name, given, batch=batch_size)  # tuned here for this batch size, unless given
     drafter = build_drafter(name, target, **settings)
     for _ in generate_batch(target, drafter, prompts[:2], 4, sampling, min(batch_size, 2)):
         pass  # warm-up: one-off costs stay out of the timing

@@ -10,6 +10,8 @@ from dataclasses import asdict
 import torch
 from tqdm.auto import tqdm
 
+from specviz.core.batch import batch_mask
+from specviz.core.batch_cache import BatchSlabCache
 from specviz.core.errors import SettingsError
 from specviz.core.target import TargetModel
 from specviz.core.timing import now
@@ -20,19 +22,28 @@ from .machine import machine_description
 
 
 def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 7,
-            tree: bool = False, floor: bool = False) -> dict:
+            tree: bool = False, floor: bool = False, batch: int = 1) -> dict:
     """Mean ms of one target forward verifying n tokens after ``context`` cached tokens: a chain (plain
     causal attention), or with ``tree`` a tree (every node a child of the root: the 4D-mask path trees take).
+    With ``batch`` B > 1, one forward verifies n tokens in each of B sequences (``core.batch``: every row a
+    4D mask, chain or tree), so the curve is what B sequences pay together.
 
     The sizes take turns within each round (in a rotated order), so a slow spell of the machine lands on
     every size rather than on all repeats of one; the mean, not the median, is what a decode pays. With ``floor``
     each row also gets the machine's floor for that forward (``floor.ForwardCost``) and the ratio to it."""
     if context < 1 or context + max(sizes) > target.max_length:
         raise SettingsError(f"context must be in [1, {target.max_length - max(sizes)}], got {context}")
+    if batch < 1:
+        raise SettingsError(f"batch must be at least 1, got {batch}")
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
     cache = target.new_cache()
     target.prefill(prompt, cache)
+    if batch > 1:  # every row holds the same context
+        rows = BatchSlabCache(target.num_layers, batch, context + max(sizes) + 1)
+        for _ in range(batch):
+            rows.adopt(rows.add(), cache)
+        cache = rows
     drafts = {}
     for n in sizes:
         tokens = torch.randint(0, target.vocab_size, (n - 1,), generator=gen)
@@ -44,10 +55,7 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
     for i in tqdm(range(repeats + 1), desc="profile", unit="round"):
         order = list(sizes)[i % len(sizes):] + list(sizes)[: i % len(sizes)]
         for n in order:
-            start = now(target.device)
-            target.verify(prompt[-1], drafts[n], cache)  # unpadded: the raw cost of each size
-            elapsed = now(target.device) - start
-            cache.crop(-n)
+            elapsed = _timed(target, drafts[n], prompt[-1], cache, context)
             if i:  # the first round warms up
                 times[n].append(elapsed)
     rows = [{"tokens": n, "ms": 1000 * statistics.fmean(times[n])} for n in sizes]
@@ -56,6 +64,7 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
         r["relative_to_1"] = r["ms"] / base
     result = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
               "context": context, "shape": "tree" if tree else "chain", "machine": machine_description(),
+              **({"batch": batch} if batch > 1 else {}),
               "date": time.strftime("%Y-%m-%d"), "curve": rows}
     if floor:
         rates = measure_rates(str(target.device), target.dtype)
@@ -64,6 +73,26 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
             r["floor_ms"] = forward_cost(target, r["tokens"], context).floor_ms(rates)
             r["x_floor"] = r["ms"] / r["floor_ms"]
     return result
+
+
+def _timed(target: TargetModel, tree: DraftTree, root: int, cache, context: int) -> float:
+    """Seconds of one verify of ``tree`` after ``context`` (unpadded: the raw cost of its size), in every row of a
+    batch cache; the cache is rewound to ``context`` after it."""
+    if not isinstance(cache, BatchSlabCache):
+        start = now(target.device)
+        target.verify(root, tree, cache)
+        elapsed = now(target.device) - start
+        cache.crop(-(len(tree) + 1))
+        return elapsed
+    b = cache.active
+    ids, positions = tree.input_ids(root).expand(b, -1), tree.positions(context).expand(b, -1)
+    mask = batch_mask([context] * b, [tree.ancestors()] * b, target.dtype)
+    start = now(target.device)
+    target.forward_rows(ids, positions, mask, cache)
+    elapsed = now(target.device) - start
+    for row in range(b):
+        cache.keep(row, context, [])  # back to the context: nothing of the verify stays
+    return elapsed
 
 
 def curve_text(result: dict) -> str:

@@ -182,9 +182,25 @@ class MachineCosts:
     padding: VerifyPadding = VerifyPadding()  # the sizes worth verifying as a larger one here: pass it to decodes
 
 
-def machine_costs(target: TargetModel, refresh: bool = False) -> MachineCosts:
+BATCH_SIZES_MEASURED = (1, 2, 4, 8, 16, 32, 64)  # tokens per sequence in a batch's verify-cost curve
+
+
+def machine_costs(target: TargetModel, refresh: bool = False, batch: int = 1) -> MachineCosts:
     """The verify-cost curves, AR's per-step overhead and the verify padding (the sizes a larger size is clearly
-    cheaper than), measured once per machine and target. Decodes pad only when given ``padding``."""
+    cheaper than), measured once per machine and target. Decodes pad only when given ``padding``.
+
+    At ``batch`` B > 1 the curve is one forward verifying n tokens in each of B sequences, divided by B: what
+    one sequence pays in a full batch (a batch pads nothing; AR's overhead per step is its own, as alone)."""
+    if batch > 1:
+        alone = machine_costs(target)
+        context = min(256, target.max_length - 80)
+        value, _ = _cached(f"{_costs_file(target)}-batch{batch}", lambda: {"tree": [
+            [r["tokens"], r["ms"]] for r in profile(target, context, BATCH_SIZES_MEASURED, repeats=3, tree=True,
+                                                    batch=batch)["curve"]]}, refresh)
+        tokens, ms = zip(*value["tree"])
+        shared = VerifyCurve.fit(tokens, [m / batch for m in ms])
+        return MachineCosts(shared, shared, alone.ar_other_ms)
+
     def measure() -> dict:
         sizes, context = (*range(1, 17), 24, 32, 48, 64), min(256, target.max_length - 80)
         curves = {shape: profile(target, context, sizes, repeats=5, tree=shape == "tree")["curve"]
@@ -203,10 +219,10 @@ def _costs_file(target: TargetModel) -> str:
     return f"costs-{machine_key(target)}"
 
 
-def _budget_file(target: TargetModel, name: str, given: dict) -> str:
+def _budget_file(target: TargetModel, name: str, given: dict, batch: int = 1) -> str:
     warm_up = [WARMUP_TOKENS, content_key("".join(warmup_prompts()).encode(), 8), ESTIMATOR]
     key = [machine_key(target), name, sorted(given.items()), _checkpoint_id(name, given), warm_up]
-    return f"{name}-{content_key(key)}"
+    return f"{name}-{content_key(key if batch == 1 else [*key, batch])}"
 
 
 def _checkpoint_id(name: str, settings: dict) -> str:
@@ -216,27 +232,31 @@ def _checkpoint_id(name: str, settings: dict) -> str:
     return content_key(weights.read_bytes()) if weights is not None else "none"
 
 
-def tune(target: TargetModel, name: str, given: dict | None = None, refresh: bool = False) -> Tuned:
-    """The budget with the most expected tokens per second for ``name`` here (``given``: other settings)."""
+def tune(target: TargetModel, name: str, given: dict | None = None, refresh: bool = False, batch: int = 1) -> Tuned:
+    """The budget with the most expected tokens per second for ``name`` here (``given``: other settings). At
+    ``batch`` B > 1: for each of B sequences decoding together, priced at the batch's verify cost per sequence
+    (a full batch makes every verified token dearer, so the budget shrinks as B grows); the warm-ups run alone,
+    since what a method accepts and what its draft costs do not depend on the batch."""
     given = dict(given or {})
     grids = METHODS[name][1].budget_grids(target)
     if not grids:
         return Tuned(name, {}, 1.0, 1.0, 0.0)
-    costs = machine_costs(target)  # measured once per machine: `refresh` re-measures the method, not the curve
+    alone = machine_costs(target)  # measured once per machine: `refresh` re-measures the method, not the curve
+    costs = alone if batch == 1 else machine_costs(target, batch=batch)
 
     def measure() -> dict:
         start, options = time.perf_counter(), []
         for grid in grids:
             if not grid.nested:  # each budget warmed up on its own: its τ, nodes and draft time as measured
                 for settings, _, _ in grid.candidates():
-                    records = _warm_up(target, build_drafter(name, target, **given, **settings), padding=costs.padding)
+                    records = _warm_up(target, build_drafter(name, target, **given, **settings), padding=alone.padding)
                     options.append(Option(settings, estimate(records, 1 << 30, 1 << 30), _per_step(records, "draft"),
                                           _per_step(records, "accept", "other")))
                 continue
             low, high = min(grid.depths), max(grid.depths)
             drafter = build_drafter(name, target, **given, **grid.settings(high))
-            records = _warm_up(target, drafter, padding=costs.padding)
-            ends = [_propose_ms(target, build_drafter(name, target, **given, **grid.settings(d)), padding=costs.padding)
+            records = _warm_up(target, drafter, padding=alone.padding)
+            ends = [_propose_ms(target, build_drafter(name, target, **given, **grid.settings(d)), padding=alone.padding)
                     for d in (low, high)]
             def propose(depth: float) -> float:  # a draft costs about one pass per depth: linear
                 return ends[0] + (ends[1] - ends[0]) * (depth - low) / max(high - low, 1)
@@ -249,14 +269,14 @@ def tune(target: TargetModel, name: str, given: dict | None = None, refresh: boo
         best: Budget = choose(options, costs.chain, costs.ar_other_ms, costs.tree)
         return {**asdict(best), "seconds": time.perf_counter() - start}
 
-    value, cached = _cached(_budget_file(target, name, given), measure, refresh)
+    value, cached = _cached(_budget_file(target, name, given, batch), measure, refresh)
     return Tuned(name, value["settings"], value["tokens_per_step"], value["expected_speedup"],
                  0.0 if cached else value["seconds"], value.get("phase_ms"))  # older caches lack the phases
 
 
-def resolve(target: TargetModel, name: str, settings: dict) -> tuple[dict, Tuned | None]:
-    """The settings a method runs with. ``preset``: tuned (the default, unless a budget setting is given),
-    paper (the paper's setting) or fixed (the settings class's own values)."""
+def resolve(target: TargetModel, name: str, settings: dict, batch: int = 1) -> tuple[dict, Tuned | None]:
+    """The settings a method runs with. ``preset``: tuned (the default, unless a budget setting is given: for
+    ``batch`` sequences at a time), paper (the paper's setting) or fixed (the settings class's own values)."""
     settings = dict(settings)
     preset = settings.pop("preset", None)
     settings_cls = METHODS[name][1]
@@ -267,7 +287,7 @@ def resolve(target: TargetModel, name: str, settings: dict) -> tuple[dict, Tuned
     budget_keys = set().union(*(g.keys for g in settings_cls.budget_grids(target))) if preset != "fixed" else set()
     if preset == "fixed" or not budget_keys or budget_keys & set(settings):
         return settings, None
-    tuned = tune(target, name, settings)
+    tuned = tune(target, name, settings, batch=batch)
     return {**tuned.settings, **settings}, tuned
 
 
