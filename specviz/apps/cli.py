@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--repeats", type=int, default=7)
     pr.add_argument("--tree", action="store_true", help="verify trees (a 4D mask) instead of chains")
     pr.add_argument("--no-floor", action="store_true", help="skip measuring this machine's bandwidth and matrix rate")
+    pr.add_argument("--batch", type=int, default=1,
+                    help="verify in this many sequences at once (one forward; the curve budgets at that batch size "
+                         "are priced at; no floor)")
     pr.add_argument("--out", default=None)
 
     rep = sub.add_parser("report", help="a results.json from bench as Markdown tables; --docs: docs/results.md")
@@ -260,7 +263,8 @@ def cmd_profile(args) -> None:  # apps.profile
     sizes = [1]
     while sizes[-1] * 2 <= args.max_size:
         sizes.append(sizes[-1] * 2)
-    result = profile(_target(args), args.context, sizes, args.repeats, tree=args.tree, floor=not args.no_floor)
+    result = profile(_target(args), args.context, sizes, args.repeats, tree=args.tree,
+                     floor=not args.no_floor and args.batch == 1, batch=args.batch)
     print(curve_text(result))
     if args.out:
         atomic_write(Path(args.out), json.dumps(result, indent=1))

@@ -97,7 +97,8 @@ def _timed(target: TargetModel, tree: DraftTree, root: int, cache, context: int)
 
 def curve_text(result: dict) -> str:
     """``profile``'s result as the terminal shows it: ms per size, and as a multiple of one token."""
-    lines = [f"verify cost of a {result['shape']} on {result['machine']} ({result['dtype']}, "
+    batch = f" in each of {result['batch']} sequences at once" if result.get("batch", 1) > 1 else ""
+    lines = [f"verify cost of a {result['shape']}{batch} on {result['machine']} ({result['dtype']}, "
              f"{result['context']} cached tokens):"]
     for row in result["curve"]:
         line = f"  {row['tokens']:3d} tokens: {row['ms']:7.1f} ms  ({row['relative_to_1']:.2f}x one token)"
