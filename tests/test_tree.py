@@ -235,3 +235,17 @@ def test_beams_apart_share_nothing():
     assert len(apart) == 9 and len(merged) == 7 and apart.info["compression"] == 1.0
     assert [apart.tokens[[i - 1 for i in path]].tolist() for path in apart.paths()] == beams.tolist()
     assert apart.parents.tolist() == [0, 1, 2, 0, 4, 5, 0, 7, 8]
+
+
+def test_greedy_follows_the_apart_beam_that_matches_longest():
+    """Beams [1, 2, 3] and [1, 2, 4] kept apart: the target wants 1, 2, 4. The first beam matches two tokens, the
+    second three; checked apart and the best kept, the second wins, as in the merged tree."""
+    from specviz.core.verify import Sampling, accept
+
+    apart = DraftTree.from_beams_apart(torch.tensor([[1, 2, 3], [1, 2, 4]]))
+    wants = {0: 1, 1: 2, 2: 4, 3: 9, 4: 2, 5: 4, 6: 9}  # verify row -> the target's top token after it
+    logits = torch.full((len(apart) + 1, 10), -1.0)
+    for row, token in wants.items():
+        logits[row, token] = 1.0
+    result = accept(apart, logits, Sampling())
+    assert result.path == [4, 5, 6] and result.bonus == 9

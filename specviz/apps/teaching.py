@@ -120,7 +120,9 @@ NOTES = {
     "skip": Note("the target's own first N layers + final norm + LM head (a self-draft)", "none",
                  "LayerSkip-style self-speculation (a baseline of semi-autoregressive drafting)",
                  "draft cost grows with N; α falls as N shrinks. The latency plot shows the trade."),
-    "sps": Note("a second, smaller LM with the same tokenizer", "none (any assistant)",
+    "sps": Note("a second, smaller LM with the same tokenizer: here a one-layer assistant trained on the target's "
+                "own answers (or any HF LM given with --assistant)",
+                "cross-entropy on the target's greedy answers, target frozen (an HF assistant: none)",
                 "Leviathan et al. 2023; Chen et al. 2023",
                 "a chain; with sampling the rejection rule keeps the target's distribution exactly."),
     "eagle2": Note("the target's last hidden state + the next token's embedding, through one decoder layer",

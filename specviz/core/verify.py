@@ -138,18 +138,22 @@ def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Genera
 
 
 def _greedy(tree: DraftTree, logits: torch.Tensor, explain: bool = False) -> Acceptance:
+    """Follow the target's top token down the tree. Siblings with one token (beams kept apart, each a branch of
+    its own) may all match: the one with the longest match below it is followed (the first of equals), as
+    checking each beam apart and keeping the best would; any matching path is the target's own text."""
     best = logits.argmax(-1).tolist()
     tokens, kids = tree.tokens.tolist(), tree.children()
+    reach: dict[int, int] = {}
+    for node in range(len(tokens), -1, -1):  # children come after their parents: deepest first
+        reach[node] = max((1 + reach[c] for c in kids[node] if tokens[c - 1] == best[node]), default=0)
     node, path, decisions = 0, [], []
     while True:
-        nxt = None
-        for child in kids[node]:  # in order, up to the one that is the target's top token
-            hit = tokens[child - 1] == best[node]
-            if explain:
+        hits = [c for c in kids[node] if tokens[c - 1] == best[node]]
+        nxt = max(hits, key=lambda c: reach[c], default=None)  # max keeps the first of equals
+        if explain:  # in order, up to the child followed
+            for child in kids[node][: kids[node].index(nxt) + 1 if nxt is not None else None]:
+                hit = tokens[child - 1] == best[node]
                 decisions.append(Decision(child, float(hit), 1.0, None, hit))
-            if hit:
-                nxt = child
-                break
         if nxt is None:
             return Acceptance(path, best[node], decisions)
         path.append(nxt)
