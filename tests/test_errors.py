@@ -99,8 +99,8 @@ def test_skip_num_tokens_out_of_range(target):
 
 
 def test_sps_without_assistant(target):
-    with pytest.raises(SettingsError, match="sps needs an assistant model"):
-        build_drafter("sps", target)
+    with pytest.raises(SpecvizError, match="trained for a target with .*; or give sps any assistant LM"):
+        build_drafter("sps", target)  # the shipped assistant is the embedded target's
     with pytest.raises(SettingsError, match="num_tokens must be in"):
         build_drafter("sps", target, assistant="x", num_tokens=33)
 
