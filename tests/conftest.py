@@ -231,3 +231,20 @@ def tiny_checkpoint():
     """Factory: ``tiny_checkpoint(target, method, epochs=3, seed=0, prompts=60)``, the session's shared
     checkpoint folder."""
     return session_checkpoint
+
+
+@pytest.fixture(scope="module")
+def app_state(tiny_target_dir):
+    """The web app's state on the tiny app target, untuned, in fp32: one per test module."""
+    from specviz.apps.web.state import load_state
+
+    return load_state(str(tiny_target_dir), "float32", "cpu", tune="off")
+
+
+@pytest.fixture(scope="module")
+def app_handlers(app_state):
+    """``app_state``'s handlers, as the page binds them."""
+    from specviz.apps.web.handlers import Handlers
+    from specviz.apps.web.plan import setting_specs
+
+    return Handlers(app_state, setting_specs(app_state))

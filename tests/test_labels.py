@@ -7,20 +7,8 @@ import pytest
 
 from specviz.apps import render
 from specviz.apps.methods import split_label
-from specviz.apps.web.handlers import Handlers
-from specviz.apps.web.plan import column_id, plan_race, setting_specs
-from specviz.apps.web.state import AppState, load_state
+from specviz.apps.web.plan import column_id, plan_race
 from specviz.core.errors import SettingsError
-
-
-@pytest.fixture(scope="module")
-def state(tiny_target_dir) -> AppState:
-    return load_state(str(tiny_target_dir), "float32", "cpu", tune="off")
-
-
-@pytest.fixture(scope="module")
-def handlers(state) -> Handlers:
-    return Handlers(state, setting_specs(state))
 
 
 def test_a_label_is_a_method_and_an_optional_tag():
@@ -35,17 +23,17 @@ def test_a_label_is_a_method_and_an_optional_tag():
     assert copy != same and render.method_colour("lookahead:window=2") == same  # a copy is told apart by colour
 
 
-def test_one_method_twice_at_two_settings_each_exact(state, handlers):
+def test_one_method_twice_at_two_settings_each_exact(app_state, app_handlers):
     labels = ["ar", "lookahead", "lookahead (paper)", "pld", "pld (one)", "lookahead (untuned)"]
     given = {"pld (one)": {"num_tokens": 1}, "lookahead": {"window": 2}}
-    plan = plan_race(state, "Count to twenty.", labels, 24, 0.0, 1.0, given)
+    plan = plan_race(app_state, "Count to twenty.", labels, 24, 0.0, 1.0, given)
     assert list(plan.drafters) == labels and plan.notes == []
     drafted = {label: drafter.settings for label, drafter in plan.drafters.items() if label != "ar"}
     assert (drafted["lookahead"].window, drafted["lookahead (paper)"].window) == (2, 15)
     assert (drafted["lookahead (paper)"].ngram, drafted["lookahead (paper)"].guesses) == (5, 15)
     assert drafted["lookahead (untuned)"].window == 4  # the settings class's own value
-    assert drafted["pld (one)"].num_tokens == 1 and plan.drafters["pld"] is state.drafters["pld"]
-    out = handlers.compare("Count to twenty.", labels, 24, 0.0, 1.0, given)
+    assert drafted["pld (one)"].num_tokens == 1 and plan.drafters["pld"] is app_state.drafters["pld"]
+    out = app_handlers.compare("Count to twenty.", labels, 24, 0.0, 1.0, given)
     assert set(out["methods"]) == set(labels)
     for label, method in out["methods"].items():
         assert method["error"] is None and method["identical_to_ar"] is True, label
@@ -55,9 +43,10 @@ def test_one_method_twice_at_two_settings_each_exact(state, handlers):
     assert sizes["lookahead"] != sizes["lookahead (paper)"], sizes  # two settings really ran
 
 
-def test_labels_that_cannot_run_say_why(state):
-    plan = plan_race(state, "Count.", ["ar", "eagle2 (paper)", "nonsense (x)", "pld ((", "pld (short)"], 8, 0.0, 1.0,
-                     {"pld (short)": {"num_tokens": 99, "checkpoint": "/etc"}})
+def test_labels_that_cannot_run_say_why(app_state):
+    labels = ["ar", "eagle2 (paper)", "nonsense (x)", "pld ((", "pld (short)"]
+    given = {"pld (short)": {"num_tokens": 99, "checkpoint": "/etc"}}
+    plan = plan_race(app_state, "Count.", labels, 8, 0.0, 1.0, given)
     notes = " | ".join(plan.notes)
     assert list(plan.drafters) == ["ar", "pld (short)"]
     assert "eagle2 (paper) is unavailable: " in notes and "nonsense (x): unknown method" in notes
@@ -65,15 +54,16 @@ def test_labels_that_cannot_run_say_why(state):
     assert "pld (short) num_tokens clamped to" in notes and "pld (short) checkpoint: not a setting" in notes
 
 
-def test_the_race_tab_has_a_column_per_label_and_refuses_the_rest(state, handlers):
-    assert handlers.columns[:len(state.drafters)] != [] and "lookahead (paper)" in handlers.columns
-    assert "pld (paper)" not in handlers.columns  # pld has no paper setting of its own
-    race = handlers.race(None, "Count.", ["ar", "lookahead (paper)", "pld (x)"], 8, 0.0, 1.0, False, "auto", 0, None,
-                         *handlers.preset("fastest"))
+def test_the_race_tab_has_a_column_per_label_and_refuses_the_rest(app_state, app_handlers):
+    assert app_handlers.columns[:len(app_state.drafters)] != [] and "lookahead (paper)" in app_handlers.columns
+    assert "pld (paper)" not in app_handlers.columns  # pld has no paper setting of its own
+    race = app_handlers.race(None, "Count.", ["ar", "lookahead (paper)", "pld (x)"], 8, 0.0, 1.0, False, "auto", 0,
+                             None, *app_handlers.preset("fastest"))
     first = next(race)
-    columns, message = first[:len(handlers.columns)], first[-2]
-    visible = [label for label, column in zip(handlers.columns, columns) if column["visible"]]
+    columns, message = first[:len(app_handlers.columns)], first[-2]
+    visible = [label for label, column in zip(app_handlers.columns, columns) if column["visible"]]
     assert visible == ["ar", "lookahead (paper)"]
     assert "pld (x): the Race tab has no column for it" in message
     *_, last = race
-    assert "lookahead (paper)" in last[-1] and "identical to AR" in last[handlers.columns.index("lookahead (paper)")]
+    column = last[app_handlers.columns.index("lookahead (paper)")]
+    assert "lookahead (paper)" in last[-1] and "identical to AR" in column

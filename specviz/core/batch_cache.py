@@ -30,10 +30,19 @@ class Rows:
 
     def __init__(self) -> None:
         self.lengths: list[int] = []
+        self._where: tuple | None = None  # (lengths, n, device, index): one forward's write positions
 
     @property
     def active(self) -> int:
         return len(self.lengths)
+
+    def where(self, n: int, device: torch.device) -> torch.Tensor:
+        """[rows, n] positions each row's n new entries go to; made once per forward, for all its layers."""
+        key = (tuple(self.lengths), n, device)
+        if self._where is None or self._where[:3] != key:
+            index = torch.tensor(self.lengths, device=device)[:, None] + torch.arange(n, device=device)
+            self._where = (*key, index)
+        return self._where[3]
 
 
 class BatchSlabLayer(DynamicLayer):
@@ -74,7 +83,7 @@ class BatchSlabLayer(DynamicLayer):
             self._keys[:b, :, starts[0]: end] = key_states
             self._values[:b, :, starts[0]: end] = value_states
         else:
-            where = torch.tensor(starts, device=self.device)[:, None] + torch.arange(n, device=self.device)
+            where = self.rows.where(n, self.device)
             which = torch.arange(b, device=self.device)[:, None]
             self._keys[which, :, where] = key_states.transpose(1, 2)  # indexed dims first: [b, n, heads, dim]
             self._values[which, :, where] = value_states.transpose(1, 2)

@@ -13,6 +13,7 @@ seed gives the same draws whatever device the target runs on.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -143,13 +144,15 @@ def _greedy(tree: DraftTree, logits: torch.Tensor, explain: bool = False) -> Acc
     checking each beam apart and keeping the best would; any matching path is the target's own text."""
     best = logits.argmax(-1).tolist()
     tokens, kids = tree.tokens.tolist(), tree.children()
-    reach: dict[int, int] = {}
-    for node in range(len(tokens), -1, -1):  # children come after their parents: deepest first
-        reach[node] = max((1 + reach[c] for c in kids[node] if tokens[c - 1] == best[node]), default=0)
+
+    @functools.cache
+    def reach(node: int) -> int:  # how deep the target's top tokens run below ``node``; only asked on a tie
+        return max((1 + reach(c) for c in kids[node] if tokens[c - 1] == best[node]), default=0)
+
     node, path, decisions = 0, [], []
     while True:
         hits = [c for c in kids[node] if tokens[c - 1] == best[node]]
-        nxt = max(hits, key=lambda c: reach[c], default=None)  # max keeps the first of equals
+        nxt = hits[0] if len(hits) == 1 else max(hits, key=reach, default=None)  # max keeps the first of equals
         if explain:  # in order, up to the child followed
             for child in kids[node][: kids[node].index(nxt) + 1 if nxt is not None else None]:
                 hit = tokens[child - 1] == best[node]

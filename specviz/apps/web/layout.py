@@ -186,35 +186,35 @@ def build_demo(state: AppState) -> gr.Blocks:
                                           [bench_table, bench_csv, bench_status], concurrency_id="engine",
                                           api_name="benchmark")
             bench_stop.click(None, cancels=[bench_event])
-            with gr.Accordion("Temperature sweep: speed and quality against temperature, per acceptance rule",
-                              open=False):
-                gr.Markdown("Each cell races the methods and AR at one temperature and rule on the questions "
-                            "above (seed 0). Lossless rejection sampling keeps the target's distribution, so its "
-                            "quality (the target's own log-likelihood of the text) follows AR's; typical "
-                            "acceptance is lossy and drifts. The shape of ReDrafter's Table 2.")
-                sweep_btn = gr.Button("Run sweep (T = 0, 0.5, 1; rejection and typical)", elem_id="sweep")
-                sweep_status = gr.Markdown()
-                sweep_plot = gr.Plot(label="sweep", elem_id="plot-sweep")
-                sweep_table = gr.Dataframe(label="per method, rule and temperature")
-                sweep_event = sweep_btn.click(GPU(handlers.sweep), [bench_set, bench_subset, bench_count,
-                                                                    bench_methods, bench_tokens],
-                                              [sweep_plot, sweep_table, sweep_status], concurrency_id="engine",
-                                              api_name="sweep")
-                bench_stop.click(None, cancels=[sweep_event])
-            with gr.Accordion("Batch size: throughput against batch size, per method", open=False):
-                gr.Markdown("The questions above decoded 1, 2 and 4 at a time (continuous batching), each method "
-                            "beside AR at the same batch size. Speculation's gain shrinks as the batch fills the "
-                            "machine (the Learn tab says why); with `redrafter` picked, its paper's 4×4 beams also "
-                            "run merged into one tree and kept apart: ReDrafter's Figure 6.")
-                batch_btn = gr.Button("Run batch sweep (batch 1, 2, 4)", elem_id="batch-sweep")
-                batch_status = gr.Markdown()
-                batch_plot = gr.Plot(batch_figure(None), label="batch size", elem_id="plot-batch")
-                batch_table = gr.Dataframe(label="per method and batch size", elem_id="batch-table")
-                batch_event = batch_btn.click(GPU(handlers.batches), [bench_set, bench_subset, bench_count,
-                                                                      bench_methods, bench_tokens],
-                                              [batch_plot, batch_table, batch_status], concurrency_id="engine",
-                                              api_name="batches")
-                bench_stop.click(None, cancels=[batch_event])
+            def sweep_panel(title: str, about: str, button: str, run, api: str, ids: tuple[str, str, str | None],
+                            plot_label: str, table_label: str, figure=None) -> None:
+                """A sweep over the questions and methods above: its button, a plot, a table and a status."""
+                with gr.Accordion(title, open=False):
+                    gr.Markdown(about)
+                    button_id, plot_id, table_id = ids
+                    btn = gr.Button(button, elem_id=button_id)
+                    status = gr.Markdown()
+                    plot = gr.Plot(figure, label=plot_label, elem_id=plot_id)
+                    table = gr.Dataframe(label=table_label, elem_id=table_id)
+                    event = btn.click(GPU(run), [bench_set, bench_subset, bench_count, bench_methods, bench_tokens],
+                                      [plot, table, status], concurrency_id="engine", api_name=api)
+                    bench_stop.click(None, cancels=[event])
+
+            sweep_panel("Temperature sweep: speed and quality against temperature, per acceptance rule",
+                        "Each cell races the methods and AR at one temperature and rule on the questions above "
+                        "(seed 0). Lossless rejection sampling keeps the target's distribution, so its quality (the "
+                        "target's own log-likelihood of the text) follows AR's; typical acceptance is lossy and "
+                        "drifts. The shape of ReDrafter's Table 2.",
+                        "Run sweep (T = 0, 0.5, 1; rejection and typical)", handlers.sweep, "sweep",
+                        ("sweep", "plot-sweep", None), "sweep", "per method, rule and temperature")
+            sweep_panel("Batch size: throughput against batch size, per method",
+                        "The questions above decoded 1, 2 and 4 at a time (continuous batching), each method beside "
+                        "AR at the same batch size. Speculation's gain shrinks as the batch fills the machine (the "
+                        "Learn tab says why); with `redrafter` picked, its paper's 4×4 beams also run merged into "
+                        "one tree and kept apart: ReDrafter's Figure 6.",
+                        "Run batch sweep (batch 1, 2, 4)", handlers.batches, "batches",
+                        ("batch-sweep", "plot-batch", "batch-table"), "batch size", "per method and batch size",
+                        batch_figure(None))
         with gr.Tab("Learn"):
             gr.Markdown(views.learn_text(state, notes=False))
             for name, drafter in state.drafters.items():

@@ -21,6 +21,8 @@ MAX_METHODS = 32  # every column the page has (each method, and copies at the pa
 SLIDER_MAX = 64  # the highest value a settings slider offers
 MAX_SEED = 2**31 - 1
 CHARS_PER_TOKEN = 8  # a prompt longer than this many characters per context token cannot fit (English is ~4)
+
+
 def column_id(label: str) -> str:
     """The page element of ``label``'s column: ``col-eagle2``, ``col-eagle2-paper``."""
     return "col-" + re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
@@ -122,10 +124,10 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
             notes.append(f"{label}: {e}")
     if not chosen:
         raise SettingsError("; ".join(notes))
-    at_budget = {label for label, (name, _) in labels.items() if chosen.get(label) is state.drafters.get(name)}
-    expected = {label: state.tuned[labels[label][0]].expected_speedup for label in at_budget
-                if labels[label][0] in state.tuned and state.tuned[labels[label][0]].settings}
-    untuned = {label for label in at_budget if state.untuned(labels[label][0])}
+    at_budget = {label: name for label, (name, _) in labels.items() if chosen.get(label) is state.drafters.get(name)}
+    expected = {label: state.tuned[name].expected_speedup for label, name in at_budget.items()
+                if name in state.tuned and state.tuned[name].settings}
+    untuned = {label for label, name in at_budget.items() if state.untuned(name)}
     seed = clamp("seed", seed, 0, MAX_SEED, 0, notes)  # a sampled race is the same race again at the same seed
     sampling = Sampling(temperature=temperature, top_p=top_p, rule=rule, seed=seed)  # greedy rule + T > 0: refused
     if not sampling.lossless:
