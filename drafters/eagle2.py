@@ -47,15 +47,28 @@ def layer_config(target_config, **shape) -> LlamaConfig:
 class FeatureNet(nn.Module):
     """fuse(feature, embedding) -> decoder layer -> (head input, next feature).
 
-    ``sampler`` swaps the plain fuse for FSPAD's Feature Sampler; ``split`` doubles the MLP
-    output so one half feeds the LM head and the other is the fed-back feature (FSPAD's PAD).
+    ``sampler`` adds FSPAD's Feature Sampler, in one of two forms:
+
+    - ``"fc+gate"`` (or True): EAGLE's ``fc(f ⊕ e)`` kept, then a residual branch in which the token
+      embedding gates a projection of the fused input, as FSPAD's released code builds it;
+    - ``"gate"``: the paper's text, where the sampler *replaces* the fc connector: the embedding gates
+      a projection of the target's feature itself, ``f + down(SiLU(gate(e)) * up(norm(f)))``.
+
+    ``split`` doubles the MLP output so one half feeds the LM head and the other is the fed-back
+    feature (FSPAD's partial alignment, PAD).
     """
 
-    def __init__(self, config: LlamaConfig, sampler: bool = False, split: bool = False):
+    SAMPLERS = ("", "fc+gate", "gate")
+
+    def __init__(self, config: LlamaConfig, sampler: bool | str = False, split: bool = False):
         super().__init__()
+        sampler = "fc+gate" if sampler is True else (sampler or "")
+        if sampler not in self.SAMPLERS:
+            raise ValueError(f"sampler is one of {self.SAMPLERS[1:]} or off, got {sampler!r}")
         h, i = config.hidden_size, config.intermediate_size
         self.hidden, self.sampler, self.split = h, sampler, split
-        self.fuse = nn.Linear(2 * h, h)
+        if sampler != "gate":
+            self.fuse = nn.Linear(2 * h, h)
         if sampler:
             self.sampler_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
             self.sampler_gate = nn.Linear(h, i, bias=False)
@@ -73,8 +86,8 @@ class FeatureNet(nn.Module):
         return features[..., :self.hidden]
 
     def forward(self, features, embeds, positions, mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.fuse(torch.cat([features, embeds], dim=-1))
-        if self.sampler:  # FSPAD: the token embedding gates a projection of the fused feature
+        x = features if self.sampler == "gate" else self.fuse(torch.cat([features, embeds], dim=-1))
+        if self.sampler:  # FSPAD: the token embedding gates a projection of the (fused) feature
             x = x + self.sampler_down(F.silu(self.sampler_gate(embeds)) * self.sampler_up(self.sampler_norm(x)))
         cos_sin = self.rotary(x, positions)
         x = x + self.attn(x, position_embeddings=cos_sin, attention_mask=mask, **cache_kwarg(self.attn, cache))[0]
@@ -126,7 +139,10 @@ class Eagle2Drafter(TrainedDrafter):
 
     @classmethod
     def new_network(cls, target, **shape) -> FeatureNet:
-        return FeatureNet(layer_config(target.config, **shape), **cls.variant)
+        """``shape`` may carry the network's own flags (``sampler``, ``split``: a variant's card) beside a
+        published drafter's widths."""
+        flags = {k: shape.pop(k) for k in ("sampler", "split") if k in shape}
+        return FeatureNet(layer_config(target.config, **shape), **{**cls.variant, **flags})
 
     @classmethod
     def training_loss(cls, net, frozen, tokens, feats, valid, evaluate: bool = False, done: float = 1.0):

@@ -21,10 +21,15 @@ from .heads import BeamSettings, HeadDrafter, ResBlock
 
 
 class RecurrentHead(nn.Module):
-    def __init__(self, hidden: int, blocks: int = 2):
+    """``blocks`` ResBlocks (the paper's default is 2; Fig. 4 also tries 4). ``recurrent=False`` is the paper's
+    non-RNN ablation: U = W = I and f the identity, so s_i = s_{i-1} + e_i, a running sum of embeddings."""
+
+    def __init__(self, hidden: int, blocks: int = 2, recurrent: bool = True):
         super().__init__()
-        self.U = nn.Linear(hidden, hidden, bias=False)
-        self.W = nn.Linear(hidden, hidden)  # carries b
+        self.recurrent = recurrent
+        if recurrent:
+            self.U = nn.Linear(hidden, hidden, bias=False)
+            self.W = nn.Linear(hidden, hidden)  # carries b
         self.blocks = nn.Sequential(*[ResBlock(2 * hidden) for _ in range(blocks)])
         self.out = nn.Linear(2 * hidden, hidden)  # into the frozen LM head
 
@@ -32,6 +37,8 @@ class RecurrentHead(nn.Module):
         return (e,)
 
     def advance(self, state, e, depth):
+        if not self.recurrent:
+            return (state[0] + e,)
         return (F.silu(self.U(state[0]) + self.W(e)),)
 
     def head(self, state, x, depth):

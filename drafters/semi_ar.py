@@ -84,6 +84,63 @@ class LstmLM(nn.Module):
         return self.f(x, state[0][:, -1])
 
 
+class LastTokenLM(nn.Module):
+    """A 0-layer h_q, as Hydra's heads: an MLP of the last drafted token's embedding alone, no sequence model."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        half = hidden // 2
+        self.mlp = nn.Sequential(nn.Linear(hidden, half), nn.SiLU(), nn.Linear(half, half))
+        self.f = SemiHead(hidden, half)
+
+    def start(self, x, e):
+        return (self.mlp(e),)
+
+    def advance(self, state, e, depth):
+        return (self.mlp(e),)
+
+    def head(self, state, x, depth):
+        return self.f(x, state[0])
+
+
+class TransformerLM(nn.Module):
+    """An N-layer causal transformer of width H/2 over the drafted tokens' embeddings (with learned positions);
+    h_q is its output at the last drafted token. The state is the projected embeddings so far, rows first."""
+
+    def __init__(self, hidden: int, layers: int = 1, positions: int = DEPTH):
+        super().__init__()
+        half = hidden // 2
+        self.project = nn.Linear(hidden, half)
+        self.position = nn.Parameter(torch.zeros(positions, half))
+        layer = nn.TransformerEncoderLayer(half, nhead=4, dim_feedforward=2 * half, dropout=0.0,
+                                           activation="gelu", batch_first=True, norm_first=True)
+        self.layers = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.f = SemiHead(hidden, half)
+
+    def start(self, x, e):
+        return (self.project(e)[:, None],)
+
+    def advance(self, state, e, depth):
+        return (torch.cat([state[0], self.project(e)[:, None]], dim=1),)
+
+    def head(self, state, x, depth):
+        seq = state[0] + self.position[:state[0].shape[1]]
+        causal = nn.Transformer.generate_square_subsequent_mask(seq.shape[1], device=seq.device, dtype=seq.dtype)
+        return self.f(x, self.layers(seq, mask=causal, is_causal=True)[:, -1])
+
+
+def semi_network(hidden: int, hq: str = "fixed-attention", layers: int = 1) -> nn.Module:
+    """semi-attn's network with the h_q it names: ``fixed-attention`` (the paper's simplified transformer, the
+    shipped one), ``last`` (0 layers) or ``transformer`` (``layers`` causal layers): the h_q sweep's arms."""
+    if hq == "fixed-attention":
+        return FixedAttentionLM(hidden)
+    if hq == "last":
+        return LastTokenLM(hidden)
+    if hq == "transformer":
+        return TransformerLM(hidden, layers)
+    raise ValueError(f"hq is fixed-attention, last or transformer, got {hq!r}")
+
+
 class SemiSettings(BeamSettings):
     PAPER = {"width": 1, "length": 4}  # the K = 4 chain
     longest = DEPTH
@@ -93,7 +150,7 @@ class SemiAttnDrafter(HeadDrafter):
     name = "semi-attn"
     title = "Semi-AR: target hidden state + fixed-attention simplified transformer, K-token chain"
     max_length = DEPTH  # one learned weight per draft position
-    network = FixedAttentionLM
+    network = staticmethod(semi_network)
 
 
 class SemiLstmDrafter(HeadDrafter):

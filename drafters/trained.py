@@ -22,6 +22,10 @@ from .vocab_head import FrozenTarget
 class TrainedDrafter(Drafter):
     trained = True
     reads_features = True  # the target's final-norm output at each position (stored beside the training tokens)
+    # a training variant's own network arguments (``drafters.variants``); its card carries them as ``network``,
+    # so the base method decodes the variant's checkpoint
+    network_kwargs: dict = {}
+    variant_name: str | None = None
 
     def __init__(self, target, settings):
         self.settings = settings

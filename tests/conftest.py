@@ -171,16 +171,17 @@ def chi2_pvalue(counts: dict, expected: dict) -> float:
 
 def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: int = 3, seed: int = 0,
                        prompts: int = 60) -> Path:
-    """Train ``method`` for ``target`` through the real pipeline on its own greedy continuations of ``prompts``
-    random prompts (a few seconds), save the checkpoint in ``folder`` and return it. A test that only needs a
-    checkpoint that loads and decodes (not one that drafts well) asks for few prompts."""
+    """Train ``method`` (or a variant, ``drafters.variants``) for ``target`` through the real pipeline on its own
+    greedy continuations of ``prompts`` random prompts (a few seconds), save the checkpoint in ``folder`` and
+    return it. A test that only needs a checkpoint that loads and decodes (not one that drafts well) asks for
+    few prompts."""
     from accelerate.state import AcceleratorState
 
-    from drafters import METHODS
     from drafters.training.config import TrainConfig
     from drafters.training.distill import self_distill
     from drafters.training.features import extract_features
     from drafters.training.loop import train
+    from drafters.variants import trained_class
 
     vocab = target.vocab_size
     gen = torch.Generator().manual_seed(seed)
@@ -192,7 +193,7 @@ def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: i
                       device=str(target.device))  # a target on a GPU trains its drafter there
     # accelerate keeps one device per process; this one trains on the CPU and on a GPU (found on a lent H200)
     AcceleratorState._reset_state(reset_partial_state=True)
-    train(METHODS[method][0], target, data, data, cfg, {"source": "random prompts, self-distilled"}, out=folder)
+    train(trained_class(method), target, data, data, cfg, {"source": "random prompts, self-distilled"}, out=folder)
     return folder
 
 

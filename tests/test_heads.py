@@ -13,12 +13,16 @@ from drafters import build_drafter
 from drafters.heads import DEPTH, beam_search
 from drafters.medusa import MedusaHeads
 from drafters.redrafter import RecurrentHead
-from drafters.semi_ar import FixedAttentionLM, LstmLM
+from drafters.semi_ar import FixedAttentionLM, LstmLM, semi_network
 from drafters.training.losses import chain_loss, teacher_forced
 
 VOCAB, HIDDEN = 64, 64
 METHODS = ("medusa", "redrafter", "semi-attn", "semi-lstm")
-NETWORKS = {"medusa": MedusaHeads, "redrafter": RecurrentHead, "semi-attn": FixedAttentionLM, "semi-lstm": LstmLM}
+NETWORKS = {"medusa": MedusaHeads, "redrafter": RecurrentHead, "semi-attn": FixedAttentionLM, "semi-lstm": LstmLM,
+            # the ablations' networks (drafters.variants)
+            "redrafter-no-rnn": lambda h: RecurrentHead(h, recurrent=False),
+            "semi-hq-last": lambda h: semi_network(h, "last"),
+            "semi-hq-tf2": lambda h: semi_network(h, "transformer", 2)}
 
 
 target, checkpoints = checkpoint_fixtures(VOCAB, METHODS, epochs=4)
@@ -41,7 +45,7 @@ class OneHot:
 
 # -- networks --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", NETWORKS)
 def test_network_shapes(method):
     net = NETWORKS[method](HIDDEN)
     frozen = OneHot(HIDDEN)
@@ -161,7 +165,7 @@ def dense_chain_loss(net, frozen, tokens, feats, valid, depth):
     return total
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", NETWORKS)
 def test_chain_loss_on_valid_rows_equals_the_dense_loss(method):
     torch.manual_seed(1)
     net = NETWORKS[method](HIDDEN)

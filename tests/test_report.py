@@ -7,6 +7,7 @@ import shutil
 
 from specviz.apps import report
 from specviz.apps.cli import main
+from specviz.apps.experiment_results import ArmResult, ExperimentResult, Training
 
 
 def test_docs_results_md_is_current():
@@ -25,18 +26,27 @@ def test_every_layout_gets_its_place_and_nothing_crashes(tmp_path, monkeypatch, 
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "broken_bench.json").write_text(json.dumps({"methods": {}, "per_prompt": [{}]}))
     (tmp_path / "notes.txt").write_text("not a results file")
-    doc = report.results_doc(tmp_path)
-    assert doc == report.results_doc(tmp_path)  # the same files, the same page
+    experiments = tmp_path / "experiments"
+    experiments.mkdir()
+    arm = ArmResult("EAGLE-2", "eagle2:preset=paper", 0.0, 2.5, 1.1, 9.0, 2, 2, [0.8, 0.7], train="eagle2",
+                    training=Training({"acc1": 0.6, "acc2": 0.4}, 1000, 12.0, 10, "x86_64 2 threads"))
+    ExperimentResult("hass-beta", "HASS", "Table 5", "Does beta help?", {"name": "small", "samples": "1000",
+                     "epochs": 2}, "mt-bench, 2 prompts", 64, "a CPU", "2026-11-27", [arm], True).save(
+        experiments / "hass-beta-small.json")
+    doc = report.results_doc(tmp_path, experiments)
+    assert doc == report.results_doc(tmp_path, experiments)  # the same files, the same page
     sections = [line for line in doc.splitlines() if line.startswith("#")]
     assert sections == ["# Results", "## Benchmarks", "### `a.json.xz`", "### `b.json.xz`", "## Verify-cost curves",
                         "## Temperature sweeps", "### `sweep.json`", "## The app against the CLI", "### `app.json`",
-                        "## Other files"]
+                        "## The papers' experiments", "### `hass-beta-small.json`", "## Other files"]
+    assert "| EAGLE-2 | 0.600 | 0.400 | 2.50 | 1.10× | – | 0.80 0.70 | 2/2 |" in doc
     assert "| ar | browser | 8.3 | 0.89 |" in doc and "first token on screen: 0.65–0.74 s" in doc
     assert "| `profile.json` | NVIDIA H100 80GB HBM3 | bfloat16 | chain | 256 | 2026-11-26 | 1: " in doc
     assert doc.count("| `ar` | 1.00 |") == 2 and "| `hf` | – | – | – |" in doc
     assert "- `broken_bench.json`\n- `cut.json.xz`\n- `list.json`" in doc and "notes.txt" not in doc
     monkeypatch.setattr(report, "RESULTS_DOC", tmp_path / "docs" / "results.md")
     monkeypatch.setattr(report, "BENCH_DIR", tmp_path)
+    monkeypatch.setattr(report, "EXPERIMENTS_DIR", experiments)
     assert main(["report", "--docs"]) == 0
     assert (tmp_path / "docs" / "results.md").read_text() == doc
     assert "wrote " in capsys.readouterr().out

@@ -40,9 +40,13 @@ def training_card(method: type[TrainedDrafter], target, cfg: TrainConfig, data_m
     trained = sum(p.numel() for p in net.parameters())
     extra = trained + frozen.head.numel()
     objective = getattr(method, "loss", None)
+    variant = {"variant": method.variant_name} if method.variant_name else {}
+    network = {"network": dict(method.network_kwargs)} if method.network_kwargs else {}
     return {
         "method": method.name,
+        **variant,
         "title": method.title,
+        **network,
         "target": target_signature(target),
         "data": data_meta,
         "training": {**asdict(cfg), "steps": progress.step, "answer_tokens_seen": progress.tokens,

@@ -50,4 +50,5 @@ def run_key(method: type[TrainedDrafter], features_key: str, cfg: TrainConfig) -
     trained weights, and the method's objective (a changed objective is another run). Runs saved under the
     earlier hand-written key keep their names: this hashes the same JSON."""
     config = {k: v for k, v in asdict(cfg).items() if k not in OUTSIDE_RUN_KEY}
-    return content_key([method.name, features_key, config, getattr(method, "loss", None)])
+    network = [method.network_kwargs] if method.network_kwargs else []  # a variant's network is another run
+    return content_key([method.name, features_key, config, getattr(method, "loss", None), *network])

@@ -87,7 +87,7 @@ def set_up(method: type[TrainedDrafter], target, train_set: FeatureSet, cfg: Tra
     coverage = float(torch.isin(train_set.tokens, vocab_map).float().mean())
     frozen = FrozenTarget(target, vocab_map)
     taps = LayerTaps.of(method, target, data_meta)
-    net = method.new_network(target).float().train()
+    net = method.new_network(target, **method.network_kwargs).float().train()
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     plan = [training_batches(train_set, cfg.batch_tokens, cfg.max_length, gen) for _ in range(cfg.epochs)]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup(sum(len(p) for p in plan), cfg.warmup))
@@ -116,8 +116,8 @@ def evaluate(method: type[TrainedDrafter], net, frozen, data: FeatureSet, cfg: T
 def validate_checkpoint(method: type[TrainedDrafter], target, folder: Path | None, val_set: FeatureSet,
                         data_meta: dict, cfg: TrainConfig) -> dict:
     """A checkpoint's agreement per depth on ``val_set``, measured as training measures it (``evaluate``)."""
-    state, _ = load_checkpoint(folder, method.name, target)
-    net, frozen = method.restore(target, state)
+    state, card = load_checkpoint(folder, method.name, target)
+    net, frozen = method.restore(target, state, card.get("network"))  # a variant's network, where it is one
     return evaluate(method, net, frozen, val_set, cfg, LayerTaps.of(method, target, data_meta))
 
 

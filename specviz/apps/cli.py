@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from drafters import METHODS, checkpoint_sources, with_checkpoints
+from specviz.apps import experiment_cli
 from specviz.core.errors import SpecvizError
 from specviz.core.files import atomic_write
 from specviz.core.verify import RULES, Sampling
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where the two read a layout differently (EAGLE's class name, EAGLE-3's explicit layer ids)")
 
     sub.add_parser("methods", help="list the methods and their settings")
+    experiment_cli.add_parser(sub)
     return parser
 
 
@@ -374,7 +376,7 @@ def cmd_methods(_args) -> None:
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "report": cmd_report,
             "methods": cmd_methods, "train": cmd_train, "data": cmd_data, "tune": cmd_tune, "sweep": cmd_sweep,
-            "validate": cmd_validate, "export": cmd_export}
+            "validate": cmd_validate, "export": cmd_export, "experiment": experiment_cli.cmd_experiment}
 
 
 def main(argv: list[str] | None = None) -> int:

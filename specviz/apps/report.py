@@ -1,5 +1,5 @@
 """Results as text: one bench (or several runs of it, merged) as Markdown, and ``docs/results.md`` generated
-from every results file committed in ``assets/bench``.
+from every results file committed in ``assets/bench`` and ``assets/experiments``.
 
 The docs page is a function of the files alone (sorted by name, no clock read, no machine asked), so the same
 files always give the same page and a test can tell when the committed page has fallen behind them.
@@ -15,6 +15,8 @@ from specviz.core import files
 from specviz.core.errors import SettingsError
 
 from .batch_results import BatchSweep
+from .experiment_results import SHIPPED as EXPERIMENTS_DIR
+from .experiment_results import shipped_experiments
 from .orderings import ordering_table
 from .results import BenchResult, budget_table, markdown_rows, markdown_table, merge
 
@@ -114,9 +116,10 @@ def _app_speed_section(name: str, d: dict) -> str:
             f"{d['chromium_cores_median']:.2f} cores busy during a run (median).")
 
 
-def results_doc(folder: Path | None = None) -> str:
+def results_doc(folder: Path | None = None, experiments: Path | None = None) -> str:
     """``docs/results.md``: every results file in ``folder`` as a section, benches first, then the verify-cost
-    curves and the temperature sweeps; files of another layout are named, not read."""
+    curves and the temperature sweeps, then the papers' experiments (``experiments``, default
+    ``assets/experiments``); files of another layout are named, not read."""
     benches, profiles, sweeps, reliability, app, batches, other = [], [], [], [], [], [], []
     for path in sorted(p for p in Path(folder or BENCH_DIR).iterdir() if p.name.endswith((".json", ".json.xz"))):
         d = _read(path)
@@ -160,13 +163,18 @@ def results_doc(folder: Path | None = None) -> str:
         parts.append("## Reliability\n\n" + "\n\n".join(reliability))
     if app:
         parts.append("## The app against the CLI\n\n" + "\n\n".join(app))
+    shipped = shipped_experiments(experiments or EXPERIMENTS_DIR)
+    if shipped:
+        parts.append("## The papers' experiments\n\n`python -m specviz experiment NAME` (files in "
+                     "`assets/experiments/`): each arm trained at the budget named, then benched beside AR.\n\n"
+                     + "\n\n".join(f"### `{name}.json`\n\n{r.markdown()}" for name, r in shipped.items()))
     if other:
         parts.append("## Other files\n\nNot a layout this page reads:\n\n" + "\n".join(other))
     return "\n\n".join(parts) + "\n"
 
 
-def write_results_doc(path: Path | None = None, folder: Path | None = None) -> Path:
-    """Regenerate ``docs/results.md`` (or ``path``) from the results files in ``folder``."""
+def write_results_doc(path: Path | None = None, folder: Path | None = None, experiments: Path | None = None) -> Path:
+    """Regenerate ``docs/results.md`` (or ``path``) from the results files in ``folder`` and ``experiments``."""
     path = path or RESULTS_DOC
-    files.atomic_write(path, results_doc(folder or BENCH_DIR))
+    files.atomic_write(path, results_doc(folder or BENCH_DIR, experiments))
     return path

@@ -146,8 +146,9 @@ NOTES = {
                    "a goal it misses a little more at every depth it feeds itself; trained on its own outputs, it "
                    "should keep α higher at depths 3–6, where EAGLE-2's errors compound. Compare α_3 and α_4 with "
                    "hass, which took the first step (aligned passes, but features still regressed and detached). "
-                   "Trained here on 13.7k prompts for 2 epochs like the others, it lands level with hass (MT-bench τ "
-                   "2.58 against 2.55 at EAGLE-2's paper tree): the paper's lead comes with far more data."),
+                   "Trained here on 13.7k prompts for 2 epochs where the others had 4 (its retrain at the shared "
+                   "budget waits for a GPU), it lands below hass (MT-bench τ 2.58 against 3.03 at EAGLE-2's paper "
+                   "tree), so this comparison is not yet a fair one."),
     "medusa": Note("the target's last hidden state only: head k guesses the token k places ahead",
                    "cross-entropy per head, target frozen",
                    "Medusa (Cai et al., 2024), a baseline of ReDrafter and semi-AR drafting",

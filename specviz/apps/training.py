@@ -30,13 +30,17 @@ def data_recipe(samples: str, self_distill: bool, max_prompt_tokens: int, answer
 
 
 def drafters_to_train(spec: str) -> list[str]:
-    """'all', one trained method or a comma-separated list of them."""
+    """'all' (the trained methods), or one trained method or variant (``drafters.variants``), or a
+    comma-separated list of them."""
+    from drafters.variants import trained_names
+
     trained = [n for n, (c, _) in METHODS.items() if c.trained]
     names = trained if spec == "all" else [n.strip() for n in spec.split(",") if n.strip()]
-    wrong = [n for n in names if n not in trained]
+    wrong = [n for n in names if n not in trained_names()]
     if wrong or not names:
         raise SpecvizError(f"{', '.join(wrong) or spec!r} is not a trained drafter; choose from "
-                           f"{', '.join(trained)} (or a comma-separated list, or all)")
+                           f"{', '.join(trained)} (or a comma-separated list, or all), or a variant: "
+                           f"{', '.join(trained_names()[len(trained):])}")
     return names
 
 
@@ -54,28 +58,37 @@ def build_data(target_spec: str | None, device: str, recipe, ship: bool) -> None
         print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
-def train_drafters(names: list[str], target_spec: str | None, recipe, cfg, out: str | None, resume: bool,
-                   ship: bool) -> None:
+def train_drafters(names: list[str], target_spec, recipe, cfg, out: str | None, resume: bool,
+                   ship: bool) -> dict[str, Path]:
     """Train each of ``names`` at one equal budget (same data, config and epochs), each in a run folder named by
-    everything that determines it, so ``resume`` finds a finished or saved run again."""
+    everything that determines it, so ``resume`` finds a finished or saved run again; returns each one's finished
+    checkpoint folder. ``target_spec``: a name or folder, or a loaded target."""
     from drafters.checkpoint import CARD, ship_checkpoint
     from drafters.training.config import run_key
     from drafters.training.dataset import prepare
     from drafters.training.loop import make_accelerator, train
     from drafters.training.state import saved_state
+    from drafters.variants import trained_class
 
     if out and len(names) > 1:
         raise SpecvizError("--out names one checkpoint folder; train several drafters without it")
+    variants = [n for n in names if n not in METHODS]
+    if ship and variants:
+        raise SpecvizError(f"{', '.join(variants)}: a variant is not shipped as a method (its experiment's results "
+                           "are); train it without --ship")
     if torch.device(cfg.device).type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # the CPU only batches for a GPU: more threads slowed a lone run, and
         # several runs sharing one host's cores starved each other
     accelerator = make_accelerator(cfg)  # one process per device under `accelerate launch`
-    target = load_target(target_spec, "float32", str(accelerator.device))
-    stored = any(METHODS[name][0].reads_features and not METHODS[name][0].tapped_layers(target.num_layers)
-                 for name in names)  # else each runs the target's body itself (EAGLE-3) or reads no features
+    target = target_spec if hasattr(target_spec, "model") else load_target(target_spec, "float32",
+                                                                           str(accelerator.device))
+    classes = {name: trained_class(name) for name in names}
+    stored = any(c.reads_features and not c.tapped_layers(target.num_layers)
+                 for c in classes.values())  # else each runs the target's body itself (EAGLE-3) or reads no features
     train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train", features=stored)
+    folders = {}
     for name in names:
-        key = run_key(METHODS[name][0], recipe.features_key(target), cfg)  # a changed objective is another run
+        key = run_key(classes[name], recipe.features_key(target), cfg)  # a changed objective is another run
         work = cache_dir() / "train" / "runs" / f"{name}-{key}"
         finished = work / "checkpoint"
         folder = Path(out) if out else finished
@@ -87,7 +100,7 @@ def train_drafters(names: list[str], target_spec: str | None, recipe, cfg, out: 
             saved = saved_state(work) is not None
             if resume and not saved:
                 print(f"{name}: no saved state in {work}; starting it", flush=True)
-            card = train(METHODS[name][0], target, train_set, val_set, cfg, meta, folder, work, resume and saved,
+            card = train(classes[name], target, train_set, val_set, cfg, meta, folder, work, resume and saved,
                          accelerator)
             if folder != finished and accelerator.is_main_process:  # the run folder keeps the final one too
                 shutil.copytree(folder, finished, dirs_exist_ok=True)
@@ -96,6 +109,8 @@ def train_drafters(names: list[str], target_spec: str | None, recipe, cfg, out: 
                   f"validation {card['history'][-1]['val']}")
         if ship and accelerator.is_main_process:
             print(f"shipped {name} to {ship_checkpoint(finished, name)}")
+        folders[name] = finished
+    return folders
 
 
 def validate_drafters(names: list[str], target_spec: str | None, device: str, recipe, checkpoint: str | None,
@@ -105,16 +120,19 @@ def validate_drafters(names: list[str], target_spec: str | None, device: str, re
     from drafters.training.config import TrainConfig
     from drafters.training.dataset import validation_set
     from drafters.training.loop import depths, validate_checkpoint
+    from drafters.variants import trained_class
 
     if checkpoint and len(names) > 1:
         raise SpecvizError("--checkpoint names one checkpoint folder; validate several drafters without it")
+    if not checkpoint and any(n not in METHODS for n in names):
+        raise SpecvizError("a variant has no shipped checkpoint: name its folder with --checkpoint")
     target = load_target(target_spec, "float32", device)
     val_set, meta = validation_set(target, recipe, cache_dir() / "train")
     cfg = TrainConfig(batch_tokens=batch_tokens, device=device)
     folder, results = Path(checkpoint) if checkpoint else None, {}
     print(f"held-out split {recipe.features_key(target)}: {len(val_set)} prompts")
     for name in names:
-        results[name] = validate_checkpoint(METHODS[name][0], target, folder, val_set, meta, cfg)
+        results[name] = validate_checkpoint(trained_class(name), target, folder, val_set, meta, cfg)
         print(f"{name:10} agreement by depth {depths(results[name])}", flush=True)
     if out:
         atomic_write(Path(out), json.dumps({"split": recipe.features_key(target), "prompts": len(val_set),

@@ -215,6 +215,14 @@ def build_demo(state: AppState) -> gr.Blocks:
                         "Run batch sweep (batch 1, 2, 4)", handlers.batches, "batches",
                         ("batch-sweep", "plot-batch", "batch-table"), "batch size", "per method and batch size",
                         batch_figure(None))
+            with gr.Accordion("The papers' experiments: ablations and figures, with shipped results", open=False):
+                shipped = views.experiment_choices()
+                first = shipped[0] if shipped else None
+                chosen = gr.Dropdown(shipped, value=first, label="Experiment", elem_id="experiment")
+                text, figure = views.experiment_view(first)
+                experiment_table = gr.Markdown(text, elem_id="experiment-table")
+                experiment_plot = gr.Plot(figure, show_label=False, elem_id="plot-experiment")
+                chosen.change(views.experiment_view, chosen, [experiment_table, experiment_plot], **private)
         with gr.Tab("Learn"):
             gr.Markdown(views.learn_text(state, notes=False))
             for name, drafter in state.drafters.items():

@@ -15,6 +15,8 @@ from drafters import METHODS
 from specviz.core.metrics import TIE_TOLERANCE, divergence, extra_memory_pct, speedup, summarize, token_margins
 
 from .. import render, teaching
+from ..experiment_plot import experiment_figure
+from ..experiment_results import shipped_experiments
 from ..race import Lane, race
 from ..results import BenchResult
 from . import export, replay
@@ -227,3 +229,19 @@ def race_download(runs: dict, decode) -> tuple:
     race = export.race_dict(runs, first["prompt"], first["sampling"], decode)
     return (gr.update(value=str(export.race_file(race)), visible=True),
             gr.update(value=str(replay.replay_file(race)), visible=True))
+
+
+NO_EXPERIMENTS = ("No experiment results are shipped yet. `python -m specviz experiment list` names them; "
+                  "`python -m specviz experiment NAME --ship` runs one and writes its results here.")
+
+
+def experiment_choices() -> list[str]:
+    return list(shipped_experiments())
+
+
+def experiment_view(name: str | None) -> tuple[str, object]:
+    """A shipped experiment's table (with what it asks and where it ran) and its figure."""
+    result = shipped_experiments().get(name) if name else None
+    if result is None:
+        return NO_EXPERIMENTS, experiment_figure(None)
+    return result.markdown(), experiment_figure(result)

@@ -1,0 +1,53 @@
+"""The ``experiment`` command's arguments and handler (``cli`` registers them)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specviz.core.load import cache_dir
+
+from .experiment_results import SHIPPED
+from .experiments import BUDGETS, EXPERIMENTS, NOT_BUILT, budget, experiment
+
+
+def add_parser(sub) -> None:
+    e = sub.add_parser("experiment", help="one paper's ablation or figure end to end: train its arms at a budget, "
+                                          "bench them, write a results file, table and figure")
+    e.add_argument("name", help=f"one of {', '.join(EXPERIMENTS)}; or list")
+    e.add_argument("--budget", default="small", choices=list(BUDGETS),
+                   help="; ".join(f"{b.name}: {b.note}" for b in BUDGETS.values()))
+    e.add_argument("--questions", default="mt-bench", help="mt-bench, humaneval or a question.jsonl path")
+    e.add_argument("--per-category", type=int, default=1, help="the first N questions of each category")
+    e.add_argument("--limit", type=int, default=None, help="then at most this many questions")
+    e.add_argument("--max-new-tokens", type=int, default=64)
+    e.add_argument("--target", default=None)
+    e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    e.add_argument("--out", default=None, help="results file (default: ~/.cache/specviz/experiments/NAME-BUDGET.json)")
+    e.add_argument("--ship", action="store_true", help="write the results into assets/experiments instead")
+
+
+def cmd_experiment(args: argparse.Namespace) -> None:
+    if args.name == "list":
+        for e in EXPERIMENTS.values():
+            trains = f"; trains {', '.join(e.trains)}" if e.trains else ""
+            print(f"{e.name:16} {e.paper}, {e.reproduces}: {e.question} ({len(e.arms)} arms{trains})")
+        for name, why in NOT_BUILT.items():
+            print(f"{name:16} not built: {why}")
+        return
+    import torch
+
+    from .experiment_run import run_experiment
+    from .questions import load_questions
+
+    exp, chosen = experiment(args.name), budget(args.budget)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = f"{exp.name}-{chosen.name}" if exp.trains else exp.name
+    out = Path(args.out) if args.out else (SHIPPED if args.ship else cache_dir() / "experiments") / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    questions = load_questions(args.questions, args.limit, args.per_category)
+    chosen_set = f"{args.questions} ({args.per_category} per category)" if args.per_category else args.questions
+    result = run_experiment(exp, chosen, questions, chosen_set, args.max_new_tokens, out, args.target, device)
+    table = out.with_suffix(".md")
+    table.write_text(result.markdown() + "\n")
+    print(f"wrote {out} and {table}\n\n{result.markdown()}")

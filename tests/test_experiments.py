@@ -1,0 +1,81 @@
+"""The papers' experiments: a registry whose every arm runs, results as typed data with their table and
+figure, and one experiment end to end on a tiny target (train the arms at a budget, bench, write)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from drafters import METHODS, parse_spec
+from drafters.variants import trained_class
+from specviz.apps import experiment_cli
+from specviz.apps.cli import build_parser, main
+from specviz.apps.experiment_plot import experiment_figure
+from specviz.apps.experiment_results import ExperimentResult
+from specviz.apps.experiment_run import run_experiment
+from specviz.apps.experiments import BUDGETS, EXPERIMENTS, TRAINED_SHIPPED, Arm, Budget, Experiment
+from specviz.apps.questions import Question
+
+
+def test_every_arm_is_a_method_spec_and_every_trained_arm_trains():
+    for exp in EXPERIMENTS.values():
+        assert len(exp.arms) >= 2 and len({a.label for a in exp.arms}) == len(exp.arms), exp.name
+        for arm in exp.arms:
+            name, _ = parse_spec(arm.spec)
+            if arm.train:
+                assert trained_class(arm.train).name == name, (exp.name, arm.label)
+    assert set(TRAINED_SHIPPED) == {n for n, (c, _) in METHODS.items() if getattr(c, "trained", False)}
+    assert {"small", "shared"} <= set(BUDGETS)
+
+
+def test_experiment_list_and_a_wrong_name(capsys):
+    assert main(["experiment", "list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in EXPERIMENTS) and "semi-joint" in out and "not built" in out
+    assert main(["experiment", "semi-joint"]) == 2
+    assert "peft" in capsys.readouterr().err
+    args = build_parser().parse_args(["experiment", "hass-beta"])
+    assert (args.budget, args.per_category, args.max_new_tokens) == ("small", 1, 64)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["experiment", "hass-beta", "--budget", "huge"])
+    capsys.readouterr()
+    experiment_cli.cmd_experiment(argparse.Namespace(name="list"))
+    assert "fspad-ablation" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_target_dir, tmp_path_factory):
+    """An experiment of two trained arms at a tiny budget, end to end, on the app tests' tiny target."""
+    exp = Experiment("tiny-ablation", "FSPAD", "Table 3", "Does the test run?",
+                     (Arm("FSPAD", "fspad:depth=2:top_k=2:total_tokens=4", "fspad"),
+                      Arm("without PAD", "fspad:depth=2:top_k=2:total_tokens=4", "fspad-no-pad")),
+                     temperatures=(0.0, 1.0))
+    budget = Budget("tiny", "6", "first", 64, 1, "float32", "a test's", answer_tokens=8)
+    questions = [Question("q1", "writing", "Say hello."), Question("q2", "coding", "Count to three.")]
+    out = tmp_path_factory.mktemp("experiment") / "tiny.json"
+    result = run_experiment(exp, budget, questions, "two questions", 6, out, str(tiny_target_dir), "cpu")
+    return result, out
+
+
+def test_an_experiment_trains_its_arms_benches_them_and_writes_its_results(tiny_run):
+    result, out = tiny_run
+    assert result.complete and ExperimentResult.load(out) == result
+    assert [a.label for a in result.arms] == ["FSPAD", "without PAD"] * 2
+    assert [a.temperature for a in result.arms] == [0.0, 0.0, 1.0, 1.0]
+    greedy = [a for a in result.arms if a.temperature == 0]
+    assert all(a.identical_to_ar == a.prompts == 2 for a in greedy)  # lossless at T = 0
+    assert all(a.training and a.training.val.get("acc1") is not None for a in result.arms)
+    assert greedy[0].spec != greedy[1].spec and "checkpoint=" in greedy[1].spec  # each arm its own checkpoint
+    assert result.budget["name"] == "tiny" and result.budget["epochs"] == 1
+
+
+def test_the_table_and_the_figure_show_every_arm(tiny_run):
+    result, _ = tiny_run
+    table = result.markdown()
+    assert "| FSPAD | 0 |" in table and "| without PAD | 1 |" in table and "val acc1" in table
+    assert "Budget `tiny` (6 prompts, 1 epoch)" in table
+    fig = experiment_figure(result)
+    names = {t.name for t in fig.data}
+    assert {"T = 0", "T = 1", "FSPAD", "without PAD"} <= names
+    assert experiment_figure(None).layout.title.text == "no experiment results"
