@@ -56,6 +56,17 @@ class TrainedDrafter(Drafter):
         raise NotImplementedError
 
     @classmethod
+    def drafter_network(cls, net: nn.Module) -> nn.Module:
+        """The part of a trained ``net`` the checkpoint holds and decoding runs (all of it, but for joint
+        training's, which trains the target's LoRA beside it: ``training.joint``)."""
+        return net
+
+    @classmethod
+    def save_extras(cls, net: nn.Module, folder, target) -> dict | None:
+        """Write what a checkpoint holds besides the drafter's weights; returns the card's note of it."""
+        return None
+
+    @classmethod
     def tapped_layers(cls, num_layers: int) -> tuple[int, ...]:
         """Decoder layers whose inputs the method reads besides the final-norm output (EAGLE-3); in training
         they are appended to the stored features, at decoding time the target returns them (``TargetModel.tap``)."""

@@ -11,6 +11,7 @@ from drafters import METHODS, parse_spec
 from drafters.variants import trained_class
 from specviz.apps import experiment_cli
 from specviz.apps.cli import build_parser, main
+from specviz.apps.domain_eval import domain_questions, rouge_l
 from specviz.apps.experiment_plot import experiment_figure
 from specviz.apps.experiment_results import ExperimentResult
 from specviz.apps.experiment_run import run_experiment
@@ -32,9 +33,9 @@ def test_every_arm_is_a_method_spec_and_every_trained_arm_trains():
 def test_experiment_list_and_a_wrong_name(capsys):
     assert main(["experiment", "list"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in EXPERIMENTS) and "semi-joint" in out and "not built" in out
-    assert main(["experiment", "semi-joint"]) == 2
-    assert "peft" in capsys.readouterr().err
+    assert all(name in out for name in EXPERIMENTS) and "semi-attn jointly (lambda 0.25)" in out
+    assert main(["experiment", "semi-jointly"]) == 2
+    assert "no experiment 'semi-jointly'" in capsys.readouterr().err
     args = build_parser().parse_args(["experiment", "hass-beta"])
     assert (args.budget, args.per_category, args.max_new_tokens) == ("small", 1, 64)
     with pytest.raises(SystemExit):
@@ -79,3 +80,29 @@ def test_the_table_and_the_figure_show_every_arm(tiny_run):
     names = {t.name for t in fig.data}
     assert {"T = 0", "T = 1", "FSPAD", "without PAD"} <= names
     assert experiment_figure(None).layout.title.text == "no experiment results"
+
+
+def test_a_joint_experiment_benches_each_arm_on_its_own_target(tiny_target_dir, tmp_path):
+    """semi-joint's shape: a domain slice's answers, separate and joint arms, each exact against its own target's
+    AR, with that target's Rouge-L against the held-out references."""
+    exp = Experiment("tiny-joint", "semi-AR", "Fig. 5", "Does joint training run?",
+                     (Arm("separate", "semi-attn:width=1:length=2", "semi-attn"),
+                      Arm("joint", "semi-attn:width=1:length=2", "semi-attn", lam=0.5)), domain="code")
+    budget = Budget("tiny", "6", "first", 64, 1, "float32", "a test's", answer_tokens=8)
+    questions, references = domain_questions("code", 2)
+    out = tmp_path / "joint.json"
+    result = run_experiment(exp, budget, questions, "code slice", 6, out, str(tiny_target_dir), "cpu",
+                            references=references)
+    separate, joint = result.arms
+    assert joint.lam == 0.5 and joint.training.lora_parameters > 0 and separate.training.lora_parameters is None
+    assert all(a.identical_to_ar == a.prompts == 2 for a in result.arms)  # each exact on its own target
+    assert all(0 <= a.target_rouge_l <= 1 for a in result.arms)
+    assert "/target" not in separate.spec and joint.spec != separate.spec
+    assert result.budget["domain"] == "code" and "target Rouge-L" in result.markdown()
+    assert ExperimentResult.load(out) == result
+
+
+def test_rouge_l_is_the_lcs_f_measure():
+    assert rouge_l("the cat sat on the mat", "the cat is on the mat") == pytest.approx(5 / 6)
+    assert rouge_l("a b", "a b") == 1.0 and rouge_l("", "a") == 0.0 and rouge_l("x y", "a b") == 0.0
+    assert rouge_l("b a", "a b") == pytest.approx(0.5)  # a subsequence, not a bag of words

@@ -51,4 +51,5 @@ def run_key(method: type[TrainedDrafter], features_key: str, cfg: TrainConfig) -
     earlier hand-written key keep their names: this hashes the same JSON."""
     config = {k: v for k, v in asdict(cfg).items() if k not in OUTSIDE_RUN_KEY}
     network = [method.network_kwargs] if method.network_kwargs else []  # a variant's network is another run
-    return content_key([method.name, features_key, config, getattr(method, "loss", None), *network])
+    joint = [asdict(method.joint)] if getattr(method, "joint", None) else []  # so is joint training
+    return content_key([method.name, features_key, config, getattr(method, "loss", None), *network, *joint])

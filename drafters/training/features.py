@@ -137,9 +137,9 @@ class LayerTaps:
     def __call__(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """``feats`` with the taps appended; a set of tokens alone (``prepare(features=False)``, no columns)
         gets the final-norm output from the same forward, rounded to float16 as stored features are."""
-        if not self.layers:
+        if not self.layers and feats.shape[-1]:
             return feats
         out = self.decoder(input_ids=tokens, use_cache=False, output_hidden_states=True)
-        if feats.shape[-1] == 0:
+        if feats.shape[-1] == 0:  # features on the fly (no stored ones): rounded as stored ones are
             feats = out.last_hidden_state.half().to(feats.dtype)
         return torch.cat([feats] + [out.hidden_states[i].to(feats.dtype) for i in self.layers], dim=-1)

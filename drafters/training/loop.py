@@ -224,9 +224,13 @@ def finish(run: Run, target, cfg: TrainConfig, data_meta: dict, progress: Progre
     """The trained network's card, and its checkpoint in ``out`` (written by the main process)."""
     net, accelerator = run.accelerator.unwrap_model(run.net), run.accelerator
     facts = RunFacts(wall_s, accelerator.num_processes, accelerator.device, run.taps.layers, run.coverage)
-    card = training_card(run.method, target, cfg, data_meta, progress, net, run.frozen, facts)
+    drafter = run.method.drafter_network(net)
+    card = training_card(run.method, target, cfg, data_meta, progress, drafter, run.frozen, facts)
     if out is not None and accelerator.is_main_process:
-        weights = {k: v.detach() for k, v in net.state_dict().items()}
+        weights = {k: v.detach() for k, v in drafter.state_dict().items()}
         weights["vocab_map"] = run.frozen.vocab_map.int()
+        extras = run.method.save_extras(net, Path(out), target)
+        if extras:
+            card["joint"] = extras
         save_checkpoint(out, weights, card)
     return card

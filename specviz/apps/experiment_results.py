@@ -26,12 +26,14 @@ class Training:
     wall_s: float
     steps: int
     machine: str
+    lora_parameters: int | None = None  # joint training: the LoRA's on the target
 
     @classmethod
     def from_card(cls, card: dict) -> Training:
         val = card["history"][-1]["val"] if card.get("history") else {}
         return cls({k: v for k, v in val.items() if k.startswith("acc")}, card["parameters"]["trained"],
-                   card["training"]["wall_s"], card["training"]["steps"], card["training"]["machine"])
+                   card["training"]["wall_s"], card["training"]["steps"], card["training"]["machine"],
+                   (card.get("joint") or {}).get("lora_parameters"))
 
     def agreement(self, depth: int) -> float | None:
         return self.val.get(f"acc{depth}")
@@ -53,6 +55,8 @@ class ArmResult:
     train: str | None = None  # the trained method or variant
     training: Training | None = None
     draft_ms: float | None = None  # drafting time per generated token (the bench's latency split)
+    target_rouge_l: float | None = None  # the arm's target's own answers against a domain's references
+    lam: float | None = None  # trained jointly with a LoRA on the target at this lambda
 
     @classmethod
     def from_dict(cls, d: dict) -> ArmResult:
@@ -98,8 +102,10 @@ class ExperimentResult:
         speedup, acceptance per depth and exactness on the bench."""
         depths = max((len(a.training.val) for a in self.arms if a.training), default=0)
         several = len(self.temperatures) > 1
+        domain = any(a.target_rouge_l is not None or a.lam is not None for a in self.arms)
         header = ["arm", *(["T"] if several else []), *(f"val acc{d}" for d in range(1, depths + 1)),
-                  "τ", "speedup", "draft ms/token", "α by depth", "identical to AR"]
+                  "τ", "speedup", "draft ms/token", "α by depth", "identical to AR",
+                  *(["target Rouge-L", "trained parameters (+ LoRA)"] if domain else [])]
         rows = []
         for a in self.arms:
             val = [f"{a.training.agreement(d):.3f}" if a.training and a.training.agreement(d) is not None else "–"
@@ -108,8 +114,13 @@ class ExperimentResult:
             tau = "–" if a.tau is None else f"{a.tau:.2f}"
             exact = f"{a.identical_to_ar}/{a.prompts}" if a.temperature == 0 else "sampled"
             draft = "–" if a.draft_ms is None else f"{a.draft_ms:.1f}"
+            extra = []
+            if domain:
+                lora = a.training.lora_parameters if a.training else None
+                params = "–" if not a.training else f"{a.training.parameters:,}" + (f" (+ {lora:,})" if lora else "")
+                extra = ["–" if a.target_rouge_l is None else f"{a.target_rouge_l:.3f}", params]
             rows.append("| " + " | ".join([a.label, *([f"{a.temperature:g}"] if several else []), *val, tau,
-                                            f"{a.speedup:.2f}×", draft, alpha, exact]) + " |")
+                                            f"{a.speedup:.2f}×", draft, alpha, exact, *extra]) + " |")
         budget = self.budget or {}
         head = (f"**{self.name}** ({self.paper}, {self.reproduces}): {self.question}  \n"
                 f"Budget `{budget.get('name', 'shipped')}`"

@@ -2,9 +2,10 @@
 results file, table and figure.
 
 Resumable where it costs: each trained arm is a training run of its own in the cache (``train_drafters`` with
-``resume``: a finished run is reused, a killed one goes on from its last saved state). The bench of all arms
-runs in one process, every arm beside AR on the same prompts, once per temperature, and the results file is
-rewritten after each temperature.
+``resume``: a finished run is reused, a killed one goes on from its last saved state). The arms that share a
+target are benched in one process, each beside that target's AR on the same prompts, once per temperature; an
+arm trained jointly (a LoRA on the target) is benched on its adapted target, beside that target's own AR. The
+results file is rewritten after each bench.
 """
 
 from __future__ import annotations
@@ -17,54 +18,84 @@ from drafters.checkpoint import read_card
 from specviz.core.load import load_target
 from specviz.core.verify import Sampling
 
-from .bench import bench
+from .bench import PromptRun, bench
+from .domain_eval import rouge_l
 from .experiment_results import ArmResult, ExperimentResult, Training
-from .experiments import Budget, Experiment
+from .experiments import Arm, Budget, Experiment
 from .machine import machine_description
 from .questions import Question
 from .training import data_recipe
 
 
-def train_arms(exp: Experiment, budget: Budget, target, device: str) -> dict[str, Path]:
-    """Each trained arm's checkpoint at ``budget``, trained now or found in the cache (``specviz train`` with the
-    same settings finds the same runs)."""
+def train_arms(exp: Experiment, budget: Budget, target, device: str) -> dict[tuple[str, float | None], Path]:
+    """Each trained arm's checkpoint at ``budget`` by (method or variant, joint lambda), trained now or found in
+    the cache (``specviz train`` with the same settings finds the same runs)."""
     from drafters.training.config import TrainConfig
+    from drafters.training.joint import JointOptions
 
     from .training import train_drafters
 
-    if not exp.trains:
-        return {}
-    recipe = data_recipe(budget.samples, True, budget.max_prompt_tokens, budget.answer_tokens, 32, budget.prompts,
-                         budget.dtype, budget.dtype, device)
+    recipe = data_recipe(budget.samples, not exp.domain, budget.max_prompt_tokens, budget.answer_tokens, 32,
+                         budget.prompts, budget.dtype, budget.dtype, device, exp.domain)
     precision = "bf16" if budget.dtype == "bfloat16" else "no"
     cfg = TrainConfig(epochs=budget.epochs, device=device, precision=precision, save_every=50)
-    return train_drafters(exp.trains, target, recipe, cfg, None, resume=True, ship=False)
+    folders = {}
+    if exp.trains:
+        found = train_drafters(exp.trains, target, recipe, cfg, None, resume=True, ship=False)
+        folders.update({(name, None): folder for name, folder in found.items()})
+    for lam, names in exp.joint.items():
+        found = train_drafters(names, target, recipe, cfg, None, resume=True, ship=False, joint=JointOptions(lam))
+        folders.update({(name, lam): folder for name, folder in found.items()})
+    return folders
 
 
-def _arm_result(arm, spec: str, temperature: float, summary, training: Training | None) -> ArmResult:
+def _arm_result(arm: Arm, spec: str, temperature: float, summary, training: Training | None,
+                quality: float | None) -> ArmResult:
     return ArmResult(arm.label, spec, temperature, summary.tau, round(summary.speedup, 3),
                      round(summary.tokens_per_s, 2), summary.identical_to_ar, summary.prompts,
                      None if summary.alpha_conditional is None else [round(a, 3) for a in summary.alpha_conditional],
                      summary.mean_compression, arm.x, arm.train, training,
-                     None if not summary.latency_ms else round(summary.latency_ms.get("draft", 0.0), 2))
+                     None if not summary.latency_ms else round(summary.latency_ms.get("draft", 0.0), 2),
+                     quality, arm.lam)
+
+
+def target_quality(target, runs: list[PromptRun], references: list[str] | None) -> float | None:
+    """Mean Rouge-L of the target's own answers (AR's outputs) against the references, where there are some."""
+    if not references:
+        return None
+    scores = [rouge_l(target.text.decode(r.output), ref) for r, ref in zip(runs, references)]
+    return round(sum(scores) / len(scores), 4)
 
 
 def run_experiment(exp: Experiment, budget: Budget, questions: list[Question], question_set: str,
                    max_new_tokens: int, out: Path, target_spec: str | None = None, device: str = "cpu",
-                   seed: int = 0) -> ExperimentResult:
+                   seed: int = 0, references: list[str] | None = None) -> ExperimentResult:
     target = load_target(target_spec, "float32", device)
     folders = train_arms(exp, budget, target, device)
-    training = {name: Training.from_card(read_card(folder)) for name, folder in folders.items()}
-    specs = [arm.spec + (f":checkpoint={folders[arm.train]}" if arm.train else "") for arm in exp.arms]
+    training = {key: Training.from_card(read_card(folder)) for key, folder in folders.items()}
+    specs = [arm.spec + (f":checkpoint={folders[arm.train, arm.lam]}" if arm.train else "") for arm in exp.arms]
+    groups: dict[Path | None, list[int]] = {}  # the adapted target's folder (None: the base) -> its arms
+    for i, arm in enumerate(exp.arms):
+        groups.setdefault(None if arm.lam is None else folders[arm.train, arm.lam] / "target", []).append(i)
+    trained = exp.trains or exp.joint
     result = ExperimentResult(exp.name, exp.paper, exp.reproduces, exp.question,
-                              budget.as_dict() if exp.trains else {}, f"{question_set}, {len(questions)} prompts",
-                              max_new_tokens, machine_description(), time.strftime("%Y-%m-%d"), axis=exp.axis)
+                              budget.as_dict() | ({"domain": exp.domain} if exp.domain else {}) if trained else {},
+                              f"{question_set}, {len(questions)} prompts", max_new_tokens, machine_description(),
+                              time.strftime("%Y-%m-%d"), axis=exp.axis)
     for temperature in exp.temperatures:
         sampling = Sampling(temperature=temperature, seed=seed, rule="greedy" if temperature == 0 else "rejection")
-        bench_result = bench(target, list(dict.fromkeys(specs)), questions, max_new_tokens, sampling)
-        for arm, spec in zip(exp.arms, specs):
-            result.arms.append(_arm_result(arm, spec, temperature, bench_result.methods[spec],
-                                           training.get(arm.train)))
+        done: dict[int, ArmResult] = {}
+        for folder, arms in groups.items():
+            own = target if folder is None else load_target(str(folder), "float32", device)
+            runs: dict[str, list[PromptRun]] = {}
+            bench_result = bench(own, list(dict.fromkeys(specs[i] for i in arms)), questions, max_new_tokens,
+                                 sampling, runs=runs)
+            quality = target_quality(own, runs["ar"], references) if temperature == 0 else None
+            for i in arms:
+                arm = exp.arms[i]
+                done[i] = _arm_result(arm, specs[i], temperature, bench_result.methods[specs[i]],
+                                      training.get((arm.train, arm.lam)), quality)
+        result.arms.extend(done[i] for i in sorted(done))
         result.save(out)
         print(f"{exp.name} T={temperature:g}: " + ", ".join(
             f"{a.label} τ {a.tau if a.tau is None else round(a.tau, 2)} {a.speedup:.2f}×"

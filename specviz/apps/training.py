@@ -17,7 +17,7 @@ from specviz.core.load import cache_dir, load_target, resolve_dtype_or_auto
 
 
 def data_recipe(samples: str, self_distill: bool, max_prompt_tokens: int, answer_tokens: int, distill_batch: int,
-                prompts: str, distill_dtype: str, feature_dtype: str | None, device: str):
+                prompts: str, distill_dtype: str, feature_dtype: str | None, device: str, domain: str = ""):
     """The data recipe the arguments name (``samples``: a positive number or 'all')."""
     from drafters.training.sequences import DataRecipe
 
@@ -26,7 +26,8 @@ def data_recipe(samples: str, self_distill: bool, max_prompt_tokens: int, answer
         raise SpecvizError(f"--samples must be a positive number or 'all', got {samples!r}")
     return DataRecipe(count, self_distill, max_prompt_tokens, answer_tokens, batch_size=distill_batch,
                       prompts=prompts, distill_dtype=resolve_dtype_or_auto(distill_dtype, device),
-                      feature_dtype=resolve_dtype_or_auto(feature_dtype, device) if feature_dtype else None)
+                      feature_dtype=resolve_dtype_or_auto(feature_dtype, device) if feature_dtype else None,
+                      domain=domain)
 
 
 def drafters_to_train(spec: str) -> list[str]:
@@ -59,20 +60,22 @@ def build_data(target_spec: str | None, device: str, recipe, ship: bool) -> None
 
 
 def train_drafters(names: list[str], target_spec, recipe, cfg, out: str | None, resume: bool,
-                   ship: bool) -> dict[str, Path]:
+                   ship: bool, joint=None) -> dict[str, Path]:
     """Train each of ``names`` at one equal budget (same data, config and epochs), each in a run folder named by
     everything that determines it, so ``resume`` finds a finished or saved run again; returns each one's finished
-    checkpoint folder. ``target_spec``: a name or folder, or a loaded target."""
+    checkpoint folder. ``target_spec``: a name or folder, or a loaded target; ``joint`` (``JointOptions``): train a
+    LoRA on the target with each (``drafters.training.joint``)."""
     from drafters.checkpoint import CARD, ship_checkpoint
     from drafters.training.config import run_key
     from drafters.training.dataset import prepare
+    from drafters.training.joint import joint_class
     from drafters.training.loop import make_accelerator, train
     from drafters.training.state import saved_state
     from drafters.variants import trained_class
 
     if out and len(names) > 1:
         raise SpecvizError("--out names one checkpoint folder; train several drafters without it")
-    variants = [n for n in names if n not in METHODS]
+    variants = [n for n in names if n not in METHODS or joint is not None]
     if ship and variants:
         raise SpecvizError(f"{', '.join(variants)}: a variant is not shipped as a method (its experiment's results "
                            "are); train it without --ship")
@@ -83,13 +86,16 @@ def train_drafters(names: list[str], target_spec, recipe, cfg, out: str | None, 
     target = target_spec if hasattr(target_spec, "model") else load_target(target_spec, "float32",
                                                                            str(accelerator.device))
     classes = {name: trained_class(name) for name in names}
-    stored = any(c.reads_features and not c.tapped_layers(target.num_layers)
-                 for c in classes.values())  # else each runs the target's body itself (EAGLE-3) or reads no features
+    if joint is not None:
+        classes = {name: joint_class(cls, joint) for name, cls in classes.items()}
+    stored = joint is None and any(c.reads_features and not c.tapped_layers(target.num_layers)
+                                   for c in classes.values())  # else each runs the target's body itself (EAGLE-3,
+    # joint training) or reads no features
     train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train", features=stored)
     folders = {}
     for name in names:
         key = run_key(classes[name], recipe.features_key(target), cfg)  # a changed objective is another run
-        work = cache_dir() / "train" / "runs" / f"{name}-{key}"
+        work = cache_dir() / "train" / "runs" / f"{classes[name].variant_name or name}-{key}"
         finished = work / "checkpoint"
         folder = Path(out) if out else finished
         if resume and (finished / CARD).exists():  # trained to the end before: reuse it

@@ -13,6 +13,7 @@ It is for inference: with autograd or autocast on, a layer falls back to the pla
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import types
 
@@ -72,6 +73,19 @@ def pack_linears(model: torch.nn.Module) -> int:
 def packed_count(model: torch.nn.Module) -> int:
     """How many of ``model``'s linear layers run on packed weights (``pack_linears``)."""
     return sum(1 for m in model.modules() if hasattr(m, _ATTR))
+
+
+def plain_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` on the default kernels, without its packed weights (one to train)."""
+    packed = {m: getattr(m, _ATTR) for m in model.modules() if hasattr(m, _ATTR)}
+    with unpacked(model):
+        for module in packed:
+            delattr(module, _ATTR)
+        try:
+            return copy.deepcopy(model)
+        finally:
+            for module, weight in packed.items():
+                setattr(module, _ATTR, weight)
 
 
 @contextlib.contextmanager
