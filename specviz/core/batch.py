@@ -1,7 +1,8 @@
 """Decoding several sequences at once: every sequence's draft tree verified in one target forward.
 
 The loop is ``engine.generate``'s (draft -> verify -> accept -> commit), over a batch of *lanes*, one per
-sequence, each with its own drafter state, sampling generator and row of a ``BatchSlabCache``:
+sequence: each an ``engine.Decode`` (its own drafter state and sampling generator) with a row of a
+``BatchSlabCache``, settled after the verify by ``engine.settle``, the step ``generate`` takes too:
 
 - a joining lane prefills alone (a forward of its prompt into a one-sequence cache, whose rows then move
   into the lane's row of the batch cache): a prompt's logits are needed at its last position only;
@@ -19,38 +20,23 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from .batch_cache import BatchSlabCache
 from .cache import SlabCache, full_attention_only
-from .engine import StepRecord, _finish, check_request
-from .protocol import Commit, Drafter, DraftRequest
+from .engine import Decode, StepRecord, check_request, settle
+from .protocol import Drafter
 from .target import TargetError, TargetModel
 from .timing import PhaseTimer
 from .tree import DraftTree
-from .verify import Sampling, accept
+from .verify import Sampling
 
 
-@dataclass
-class Lane:
-    """One sequence in the batch."""
-
-    index: int  # its place in the caller's prompts
-    prompt: list[int]
-    limit: int  # its max new tokens
-    state: object  # its drafter state
-    generator: torch.Generator | None
-    sequence: list[int] = field(default_factory=list)  # prompt + output, the pending root last
-    produced: int = 0
-    step: int = 0  # 0: its prefill is next
-
-    def block(self, drafter: Drafter, sampling: Sampling, past: int):
-        """(tree, input ids, positions, tree mask [n, n]) of what this lane feeds this step."""
-        request = DraftRequest(self.sequence, self.limit - self.produced - 1, sampling, self.generator)
-        tree = drafter.propose(self.state, request) if request.max_depth > 0 else DraftTree.empty()
-        return tree, tree.input_ids(self.sequence[-1]), tree.positions(past)[0], tree.ancestors()
+def block(decode: Decode, drafter: Drafter, sampling: Sampling, past: int):
+    """(tree, input ids, positions, tree mask [n, n]) of what one lane feeds this step."""
+    tree = decode.propose(drafter, sampling)
+    return tree, tree.input_ids(decode.sequence[-1]), tree.positions(past)[0], tree.ancestors()
 
 
 def batch_mask(pasts: list[int], blocks: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -103,7 +89,7 @@ def generate_batch(
         while waiting and len(lanes) < batch_size:  # joiners take the free rows, each prefilled alone
             i = waiting.popleft()
             gen = torch.Generator().manual_seed(seeds[i]) if seeds[i] is not None else None
-            lane = Lane(i, list(prompts[i]), limits[i], drafter.start(), gen, list(prompts[i]))
+            lane = Decode(list(prompts[i]), limits[i], drafter.start(), gen, index=i)
             record = _prefill(target, drafter, cache, lane, sampling, eos, capacity)
             yield i, record
             if record.finished is None:
@@ -114,7 +100,7 @@ def generate_batch(
             continue
         timer, pasts = PhaseTimer(target.device), cache.lengths
         with timer("draft"):
-            blocks = [lane.block(drafter, sampling, past) for lane, past in zip(lanes, pasts)]
+            blocks = [block(lane, drafter, sampling, past) for lane, past in zip(lanes, pasts)]
         with timer("verify"):
             for (tree, _, _, _), past in zip(blocks, pasts):
                 if past + tree.max_depth + 1 > target.max_length:
@@ -131,7 +117,9 @@ def generate_batch(
             logits, feats = target.forward_rows(ids, positions, mask, cache)
         ended = []
         for b, (lane, (tree, row_ids, _, _), past) in enumerate(zip(lanes, blocks, pasts)):
-            record = _settle(drafter, cache, lane, b, tree, row_ids, past, logits[b], feats[b], sampling, eos, timer)
+            m = row_ids.numel()
+            record = settle(drafter, lane, tree, logits[b, :m], feats[b, :m], row_ids,
+                            lambda keep, b=b, past=past: cache.keep(b, past, keep), sampling, eos, timer)
             if record.finished is not None:
                 ended.append(b)
             yield lane.index, record
@@ -142,46 +130,15 @@ def generate_batch(
             lanes.pop()
 
 
-def _prefill(target, drafter, cache: BatchSlabCache, lane: Lane, sampling: Sampling, eos,
+def _prefill(target, drafter, cache: BatchSlabCache, lane: Decode, sampling: Sampling, eos,
              capacity: int) -> StepRecord:
     """A joining lane's step 0, alone: its prompt into a one-sequence cache, then into a new row of ``cache``."""
-    timer, tree = PhaseTimer(target.device), DraftTree.empty()
+    timer = PhaseTimer(target.device)
     with timer("verify"):
         single = SlabCache(target.num_layers, capacity)
         logits, feats = target.prefill(lane.prompt, single)
         cache.adopt(cache.add(), single)
-    with timer("accept"):
-        result = accept(tree, logits[None], sampling, lane.generator)
-        commit = Commit(torch.as_tensor(lane.prompt), feats, result.bonus)
-    return _emit(drafter, lane, tree, result, commit, [result.bonus], eos, timer)
-
-
-def _settle(drafter, cache, lane: Lane, row: int, tree: DraftTree, row_ids: torch.Tensor, past: int,
-            logits: torch.Tensor, feats: torch.Tensor, sampling: Sampling, eos, timer: PhaseTimer) -> StepRecord:
-    """Accept and commit one lane's part of a batched step; its record."""
-    m = row_ids.numel()
-    with timer("accept"):
-        result = accept(tree, logits[:m], sampling, lane.generator)
-        keep = [0] + result.path
-        cache.keep(row, past, keep)
-        top = logits[:m].argmax(-1).cpu() if drafter.reads_verified_top else None
-        commit = Commit(row_ids[keep], feats[:m][keep], result.bonus, top)
-    return _emit(drafter, lane, tree, result, commit, commit.tokens[1:].tolist() + [result.bonus], eos, timer)
-
-
-def _emit(drafter, lane: Lane, tree: DraftTree, result, commit: Commit, new: list[int], eos,
-          timer: PhaseTimer) -> StepRecord:
-    """The drafter learns what was committed; the lane's output grows (cut at EOS or the limit); its record."""
-    with timer("draft"):
-        drafter.observe(lane.state, commit)
-    with timer("other"):
-        new, finished = _finish(new, lane.produced, lane.limit, eos)
-        lane.sequence += new
-        lane.produced += len(new)
-    record = StepRecord(step=lane.step, tree=tree, path=result.path, tokens=new, bonus=result.bonus,
-                        timings=timer.timings, finished=finished)
-    lane.step += 1
-    return record
+    return settle(drafter, lane, DraftTree.empty(), logits[None], feats, None, None, sampling, eos, timer)
 
 
 def run_batch(target: TargetModel, drafter: Drafter, prompts: Sequence[list[int]],

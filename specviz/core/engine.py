@@ -113,6 +113,59 @@ def check_request(target: TargetModel, prompt_ids: list[int], max_new_tokens: in
         )
 
 
+@dataclass
+class Decode:
+    """One sequence's decode as the loop advances it: its drafter state, generator and output so far.
+    ``engine.generate`` runs one; ``batch.generate_batch`` runs several, one per row of its cache."""
+
+    prompt: list[int]
+    limit: int  # max new tokens
+    state: object  # the drafter's state for this decode
+    generator: torch.Generator | None
+    index: int = 0  # its place among the caller's prompts
+    sequence: list[int] = field(default_factory=list)  # prompt + output, the pending root last
+    produced: int = 0
+    step: int = 0  # 0: its prefill is next
+
+    def __post_init__(self) -> None:
+        self.sequence = self.sequence or list(self.prompt)
+
+    def propose(self, drafter: Drafter, sampling: Sampling) -> DraftTree:
+        request = DraftRequest(self.sequence, self.limit - self.produced - 1, sampling, self.generator)
+        return drafter.propose(self.state, request) if request.max_depth > 0 else DraftTree.empty()
+
+
+def settle(drafter: Drafter, decode: Decode, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor,
+           inputs: torch.Tensor | None, commit: Callable[[list[int]], None], sampling: Sampling, eos,
+           timer: PhaseTimer, explain: bool = False) -> StepRecord:
+    """After a verify: accept, commit the kept rows (``commit(keep)``; none at the prefill, where the whole prompt
+    is committed), tell the drafter, grow the output (cut at EOS or the limit); the step's record.
+
+    ``logits`` and ``feats`` are this decode's rows of the verify input (``inputs``, root first; at the prefill
+    the prompt's last logits and every position's features)."""
+    with timer("accept"):
+        result = accept(tree, logits, sampling, decode.generator, explain=explain)
+        keep = [0] + result.path
+        if decode.step == 0:
+            done = Commit(torch.as_tensor(decode.prompt), feats, result.bonus)
+            new = [result.bonus]
+        else:
+            commit(keep)
+            top = logits.argmax(-1).cpu() if drafter.reads_verified_top else None
+            done = Commit(inputs[keep], feats[keep], result.bonus, top)
+            new = done.tokens[1:].tolist() + [result.bonus]
+    with timer("draft"):
+        drafter.observe(decode.state, done)
+    with timer("other"):
+        new, finished = _finish(new, decode.produced, decode.limit, eos)
+        decode.sequence += new
+        decode.produced += len(new)
+    record = StepRecord(step=decode.step, tree=tree, path=result.path, tokens=new, bonus=result.bonus,
+                        timings=timer.timings, finished=finished, decisions=result.decisions)
+    decode.step += 1
+    return record
+
+
 def generate(
     target: TargetModel,
     drafter: Drafter,
@@ -136,48 +189,31 @@ def generate(
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     eos = target.text.eos_token_ids if stop_on_eos else frozenset()
     cache = target.new_cache(len(prompt_ids) + max_new_tokens + 64) if cache is None else cache  # 64: a tree's rows
-    device = target.device
-    sequence, produced, step, finished = list(prompt_ids), 0, 0, None
+    decode = Decode(list(prompt_ids), max_new_tokens, state, gen)
+    finished = None
     while finished is None:
-        timer = PhaseTimer(device)
-        if step == 0:  # the prefill: no draft; the whole prompt is what gets committed
-            tree = DraftTree.empty()
+        timer = PhaseTimer(target.device)
+        if decode.step == 0:  # the prefill: no draft; the whole prompt is what gets committed
+            tree, inputs, past = DraftTree.empty(), None, 0
             with timer("draft"):
-                state = drafter.start() if state is None else state
+                decode.state = drafter.start() if decode.state is None else decode.state
             with timer("verify"):
                 logits, feats = target.prefill(prompt_ids, cache)
                 logits = logits[None]
         else:
             with timer("draft"):
-                request = DraftRequest(sequence, max_new_tokens - produced - 1, sampling, gen)
-                tree = drafter.propose(state, request) if request.max_depth > 0 else DraftTree.empty()
+                tree = decode.propose(drafter, sampling)
             with timer("verify"):
-                past = cache.get_seq_length()
-                logits, feats = target.verify(sequence[-1], tree, cache, padding)
-        with timer("accept"):
-            result = accept(tree, logits, sampling, gen, explain=bool(observers))  # decisions: for a display
-            keep = [0] + result.path
-            if step == 0:
-                commit = Commit(torch.as_tensor(prompt_ids), feats, result.bonus)
-            else:
-                target.commit(cache, past, keep)
-                top = logits.argmax(-1).cpu() if drafter.reads_verified_top else None
-                commit = Commit(tree.input_ids(sequence[-1])[keep], feats[keep], result.bonus, top)
-        with timer("draft"):
-            drafter.observe(state, commit)
-        with timer("other"):
-            emitted = commit.tokens[1:].tolist() if step else []
-            new, finished = _finish(emitted + [result.bonus], produced, max_new_tokens, eos)
-            sequence += new
-            produced += len(new)
-        record = StepRecord(step=step, tree=tree, path=result.path, tokens=new, bonus=result.bonus,
-                            timings=timer.timings, finished=finished, decisions=result.decisions)
-        if observers:
-            seen = Verified(record, logits, keep, sampling)
+                past, inputs = cache.get_seq_length(), tree.input_ids(decode.sequence[-1])
+                logits, feats = target.verify(decode.sequence[-1], tree, cache, padding)
+        record = settle(drafter, decode, tree, logits, feats, inputs,
+                        lambda keep: target.commit(cache, past, keep), sampling, eos, timer, bool(observers))
+        finished = record.finished
+        if observers:  # decisions: for a display
+            seen = Verified(record, logits, [0] + record.path, sampling)
             for observe in observers:
                 observe(seen)
         yield record
-        step += 1
 
 
 def _finish(new: list[int], produced: int, limit: int, eos) -> tuple[list[int], str | None]:
