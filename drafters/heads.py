@@ -48,25 +48,35 @@ class ResBlock(nn.Module):
 def beam_search(net, frozen, x: torch.Tensor, root: int, width: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``width`` best drafts of ``length`` tokens after ``root`` by total log-prob (standard beam search).
 
-    Returns beams [W, L] as target token ids and each token's draft log-prob [W, L].
-    """
-    vocab = frozen.vocab_map.numel()
-    state = net.start(x, frozen.embed(torch.tensor([root], device=x.device)).to(x.dtype))
-    rows = x
-    score = torch.zeros(1, device=x.device)
-    seqs = torch.zeros(1, 0, dtype=torch.long, device=x.device)
-    logps = torch.zeros(1, 0, device=x.device)
+    Returns beams [W, L] as target token ids and each token's draft log-prob [W, L]."""
+    beams, logps = beam_search_batch(net, frozen, x, torch.tensor([root], device=x.device), width, length)
+    return beams[0], logps[0]
+
+
+@torch.inference_mode()
+def beam_search_batch(net, frozen, x: torch.Tensor, roots: torch.Tensor, width: int,
+                      length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Beam search for G decodes at once (a batch's lanes): x [G, H] and roots [G]; beams [G, W, L] and their
+    tokens' log-probs. Each lane keeps its own ``width`` best; the network runs every lane's beams in one call."""
+    vocab, g = frozen.vocab_map.numel(), x.shape[0]
+    state = net.start(x, frozen.embed(roots).to(x.dtype))
+    rows, beams = x, 1  # rows: every lane's beams, lane-major
+    score = torch.zeros(g, 1, device=x.device)
+    seqs = torch.zeros(g, 1, 0, dtype=torch.long, device=x.device)
+    logps = torch.zeros(g, 1, 0, device=x.device)
     for d in range(1, length + 1):
-        logp = torch.log_softmax(frozen.logits(net.head(state, rows, d)).float(), dim=-1)  # [w, V']
-        best = (score[:, None] + logp).reshape(-1).topk(min(width, logp.numel()))
-        row, tok = best.indices // vocab, best.indices % vocab
-        seqs = torch.cat([seqs[row], tok[:, None]], dim=1)
-        logps = torch.cat([logps[row], logp[row, tok][:, None]], dim=1)
-        score = best.values
+        logp = torch.log_softmax(frozen.logits(net.head(state, rows, d)).float(), dim=-1).view(g, beams, vocab)
+        best = (score[:, :, None] + logp).reshape(g, -1).topk(min(width, beams * vocab), dim=-1)
+        row, tok = best.indices // vocab, best.indices % vocab  # [G, W']
+        lanes = torch.arange(g, device=x.device)[:, None]
+        seqs = torch.cat([seqs[lanes, row], tok[..., None]], dim=-1)
+        logps = torch.cat([logps[lanes, row], logp[lanes, row, tok][..., None]], dim=-1)
+        score, beams = best.values, row.shape[1]
         if d < length:
-            state = tuple(s[row] for s in state)
-            rows = x.expand(row.numel(), -1)
-            state = net.advance(state, frozen.embed(frozen.vocab_map[tok]).to(x.dtype), d)
+            flat = (lanes * logp.shape[1] + row).reshape(-1)  # the parent beams' rows, lane-major
+            state = tuple(s[flat] for s in state)
+            rows = x.repeat_interleave(beams, dim=0)
+            state = net.advance(state, frozen.embed(frozen.vocab_map[tok.reshape(-1)]).to(x.dtype), d)
     return frozen.vocab_map[seqs], logps
 
 
@@ -129,5 +139,25 @@ class HeadDrafter(TrainedDrafter):
         if length < 1 or state.x is None:
             return DraftTree.empty()
         beams, logps = beam_search(self.net, self.frozen, state.x, state.root, self.settings.width, length)
+        return self._tree(beams, logps)
+
+    def _tree(self, beams: torch.Tensor, logps: torch.Tensor) -> DraftTree:
         merged = getattr(self.settings, "tree_attention", 1)  # ReDrafter's ablation can keep the beams apart
         return (DraftTree.from_beams if merged else DraftTree.from_beams_apart)(beams.cpu(), logps.cpu())
+
+    @torch.inference_mode()
+    def propose_batch(self, states: list[HeadState], requests: list[DraftRequest]) -> list[DraftTree]:
+        """Every lane's beam search in one call per draft length (lanes near their token limit draft shorter)."""
+        trees: list[DraftTree] = [DraftTree.empty()] * len(states)
+        by_length: dict[int, list[int]] = {}
+        for i, (state, request) in enumerate(zip(states, requests)):
+            length = min(self.settings.length, request.max_depth)
+            if length >= 1 and state.x is not None:
+                by_length.setdefault(length, []).append(i)
+        for length, lanes in by_length.items():
+            x = torch.cat([states[i].x for i in lanes])
+            roots = torch.tensor([states[i].root for i in lanes], device=x.device)
+            beams, logps = beam_search_batch(self.net, self.frozen, x, roots, self.settings.width, length)
+            for k, i in enumerate(lanes):
+                trees[i] = self._tree(beams[k], logps[k])
+        return trees

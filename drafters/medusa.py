@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from specviz.core.errors import SettingsError
-from specviz.core.protocol import BudgetGrid, DraftRequest, Settings
+from specviz.core.protocol import BudgetGrid, Drafter, DraftRequest, Settings
 from specviz.core.tree import DraftTree
 
 from .heads import DEPTH, HeadDrafter, HeadState, ResBlock
@@ -97,6 +97,7 @@ class MedusaDrafter(HeadDrafter):
     name = "medusa"
     title = "Medusa: K independent heads, static sparse tree (typical acceptance is lossy)"
     network = MedusaHeads
+    propose_batch = Drafter.propose_batch  # its own propose, not beam search: lane by lane
 
     def check_settings(self, settings: MedusaSettings) -> None:
         if settings.heads > len(self.net.heads):

@@ -13,6 +13,7 @@ from specviz.core.batch import batch_mask, run_batch
 from specviz.core.batch_cache import BatchSlabCache
 from specviz.core.cache import SlabCache
 from specviz.core.engine import output_ids, run
+from specviz.core.protocol import Commit, DraftRequest
 from specviz.core.target import TargetError
 from specviz.core.tree import DraftTree
 from specviz.core.verify import Sampling
@@ -74,8 +75,10 @@ def test_each_row_of_a_batched_verify_equals_its_own_sequence(target):
 
 @pytest.mark.parametrize("method, settings", [("ar", {}), ("pld", {}), ("lookahead", {}), ("eagle2", {}),
                                                ("redrafter", dict(width=3, length=3)),
-                                               ("redrafter", dict(width=3, length=3, tree_attention=0)), ("sps", {})],
-                         ids=["ar", "pld", "lookahead", "eagle2", "redrafter", "redrafter-apart", "sps"])
+                                               ("redrafter", dict(width=3, length=3, tree_attention=0)), ("sps", {}),
+                                               ("semi-attn", dict(width=2, length=4)), ("medusa", {})],
+                         ids=["ar", "pld", "lookahead", "eagle2", "redrafter", "redrafter-apart", "sps", "semi-attn",
+                              "medusa"])
 def test_every_sequence_equals_its_own_batch_1_decode(target, method, settings):
     drafter = build_drafter(method, target, **settings) if method in ("ar", "pld", "lookahead") else build_drafter(
         method, target, checkpoint=str(session_checkpoint(target, method)), **settings)
@@ -91,6 +94,26 @@ def test_every_sequence_equals_its_own_batch_1_decode(target, method, settings):
     if method != "ar":  # the drafts were accepted, unevenly: the sequences advanced by different amounts
         accepted = [sum(s.accepted for s in r) for r in records]
         assert sum(accepted) > 0 and len(set(accepted)) > 1, accepted
+
+
+def test_a_batch_of_beam_searches_drafts_each_lanes_own_tree(target):
+    """``propose_batch`` runs every lane's beams in one network call; each lane gets the tree ``propose`` drafts
+    for it alone, lanes near their limit draft shorter, and a lane with no room drafts nothing."""
+    drafter = build_drafter("redrafter", target, checkpoint=str(session_checkpoint(target, "redrafter")),
+                            width=3, length=3)
+    states, requests = [], []
+    for ids, room in zip(prompts(5, seed=4), (5, 2, 0, 5, 1)):
+        logits, feats = target.prefill(ids, target.new_cache(64))
+        state, bonus = drafter.start(), int(logits.argmax())
+        drafter.observe(state, Commit(torch.tensor(ids), feats, bonus))
+        states.append(state)
+        requests.append(DraftRequest(ids + [bonus], room, Sampling(), None))
+    together = drafter.propose_batch(states, requests)
+    for state, request, tree in zip(states, requests, together):
+        alone = drafter.propose(state, request) if request.max_depth else DraftTree.empty()
+        assert torch.equal(tree.tokens, alone.tokens) and torch.equal(tree.parents, alone.parents)
+        torch.testing.assert_close(tree.logprobs, alone.logprobs)
+        assert tree.max_depth == min(3, request.max_depth)
 
 
 def test_end_of_sequence_ends_a_lane_and_the_next_prompt_joins(target):

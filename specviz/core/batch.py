@@ -33,10 +33,12 @@ from .tree import DraftTree
 from .verify import Sampling
 
 
-def block(decode: Decode, drafter: Drafter, sampling: Sampling, past: int):
-    """(tree, input ids, positions, tree mask [n, n]) of what one lane feeds this step."""
-    tree = decode.propose(drafter, sampling)
-    return tree, tree.input_ids(decode.sequence[-1]), tree.positions(past)[0], tree.ancestors()
+def drafted_blocks(lanes: list[Decode], drafter: Drafter, sampling: Sampling, pasts: list[int]) -> list[tuple]:
+    """Per lane, (tree, input ids, positions, tree mask [n, n]) of what it feeds this step; the drafter drafts for
+    every lane at once (``Drafter.propose_batch``)."""
+    trees = drafter.propose_batch([lane.state for lane in lanes], [lane.request(sampling) for lane in lanes])
+    return [(tree, tree.input_ids(lane.sequence[-1]), tree.positions(past)[0], tree.ancestors())
+            for tree, lane, past in zip(trees, lanes, pasts)]
 
 
 def batch_mask(pasts: list[int], blocks: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -100,23 +102,23 @@ def generate_batch(
             continue
         timer, pasts = PhaseTimer(target.device), cache.lengths
         with timer("draft"):
-            blocks = [block(lane, drafter, sampling, past) for lane, past in zip(lanes, pasts)]
+            fed = drafted_blocks(lanes, drafter, sampling, pasts)
         with timer("verify"):
-            for (tree, _, _, _), past in zip(blocks, pasts):
+            for (tree, _, _, _), past in zip(fed, pasts):
                 if past + tree.max_depth + 1 > target.max_length:
                     raise TargetError(f"verifying {tree.max_depth + 1} positions after {past} exceeds the "
                                       f"context of {target.max_length}")
-            n = max(ids.numel() for _, ids, _, _ in blocks)
+            n = max(ids.numel() for _, ids, _, _ in fed)
             ids = torch.zeros(len(lanes), n, dtype=torch.long)
             positions = torch.zeros(len(lanes), n, dtype=torch.long)
-            for b, (_, row_ids, row_positions, _) in enumerate(blocks):
+            for b, (_, row_ids, row_positions, _) in enumerate(fed):
                 m = row_ids.numel()
                 ids[b, :m], positions[b, :m] = row_ids, row_positions
                 positions[b, m:] = row_positions[-1]  # padding: any position; nothing real sees it
-            mask = batch_mask(pasts, [block for *_, block in blocks], target.dtype)
+            mask = batch_mask(pasts, [block for *_, block in fed], target.dtype)
             logits, feats = target.forward_rows(ids, positions, mask, cache)
         ended = []
-        for b, (lane, (tree, row_ids, _, _), past) in enumerate(zip(lanes, blocks, pasts)):
+        for b, (lane, (tree, row_ids, _, _), past) in enumerate(zip(lanes, fed, pasts)):
             m = row_ids.numel()
             record = settle(drafter, lane, tree, logits[b, :m], feats[b, :m], row_ids,
                             lambda keep, b=b, past=past: cache.keep(b, past, keep), sampling, eos, timer)

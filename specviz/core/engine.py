@@ -130,8 +130,11 @@ class Decode:
     def __post_init__(self) -> None:
         self.sequence = self.sequence or list(self.prompt)
 
+    def request(self, sampling: Sampling) -> DraftRequest:
+        return DraftRequest(self.sequence, self.limit - self.produced - 1, sampling, self.generator)
+
     def propose(self, drafter: Drafter, sampling: Sampling) -> DraftTree:
-        request = DraftRequest(self.sequence, self.limit - self.produced - 1, sampling, self.generator)
+        request = self.request(sampling)
         return drafter.propose(self.state, request) if request.max_depth > 0 else DraftTree.empty()
 
 

@@ -62,6 +62,13 @@ class Drafter:
     def propose(self, state, request: DraftRequest) -> DraftTree:
         raise NotImplementedError
 
+    def propose_batch(self, states: list, requests: list[DraftRequest]) -> list[DraftTree]:
+        """Drafts for several decodes at once (a batch's lanes), each what ``propose`` would draft for its state
+        and request (up to floating point where a network runs the lanes together). The default drafts them in
+        turn; a method whose network can run every lane in one call overrides it."""
+        return [self.propose(state, request) if request.max_depth > 0 else DraftTree.empty()
+                for state, request in zip(states, requests)]
+
     def num_parameters(self) -> int:
         """Parameters this method adds on top of the target (for 'extra memory %')."""
         return 0
