@@ -106,3 +106,17 @@ def test_rouge_l_is_the_lcs_f_measure():
     assert rouge_l("the cat sat on the mat", "the cat is on the mat") == pytest.approx(5 / 6)
     assert rouge_l("a b", "a b") == 1.0 and rouge_l("", "a") == 0.0 and rouge_l("x y", "a b") == 0.0
     assert rouge_l("b a", "a b") == pytest.approx(0.5)  # a subsequence, not a bag of words
+
+
+def test_the_benchmark_tab_lists_shipped_experiments(tiny_run, tmp_path, monkeypatch):
+    from specviz.apps import experiment_results
+    from specviz.apps.web import views
+
+    monkeypatch.setattr(experiment_results, "SHIPPED", tmp_path)
+    assert views.experiment_choices() == [] and views.experiment_view(None)[0] == views.NO_EXPERIMENTS
+    result, _ = tiny_run
+    result.save(tmp_path / "tiny-ablation-tiny.json")
+    (tmp_path / "broken.json").write_text("{not json")
+    assert views.experiment_choices() == ["tiny-ablation-tiny"]
+    text, figure = views.experiment_view("tiny-ablation-tiny")
+    assert text == result.markdown() and {t.name for t in figure.data} >= {"FSPAD", "without PAD"}

@@ -131,9 +131,9 @@ class ExperimentResult:
         return head + markdown_rows(header, rows)
 
 
-def shipped_experiments(folder: Path = SHIPPED) -> dict[str, ExperimentResult]:
-    """The results shipped with the project, by file stem; unreadable files are skipped by name in the result."""
-    found = {}
+def shipped_experiments(folder: Path | None = None) -> dict[str, ExperimentResult]:
+    """The results shipped with the project (``assets/experiments``), by file stem; unreadable files are left out."""
+    found, folder = {}, folder or SHIPPED
     for path in sorted(folder.glob("*.json")) if folder.exists() else []:
         try:
             found[path.stem] = ExperimentResult.load(path)
