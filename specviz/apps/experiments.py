@@ -138,7 +138,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
                _beams(), "beam width"),
     Experiment("temperature", "HASS, FSPAD (the T = 1 columns)", "the T = 0 / T = 1 halves of their tables",
                "Does each trained drafter keep its lead when the target samples (lossless rejection sampling)?",
-               tuple(Arm(m, f"{m}:preset=paper" if m != "sps" else m) for m in TRAINED_SHIPPED),
+               tuple(Arm(m, f"{m}:preset=paper" if m != "sps" else "sps:preset=fixed") for m in TRAINED_SHIPPED),
                temperatures=(0.0, 0.5, 1.0)),
 )}
 
