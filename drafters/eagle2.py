@@ -160,77 +160,136 @@ class Eagle2Drafter(TrainedDrafter):
         nxt = torch.cat([commit.tokens[1:].cpu(), torch.tensor([commit.pending])])
         state.queue.append((self.features(commit), nxt.to(self.device)))
 
-    def _step(self, state: FeatureState, feats, tokens, positions, allowed) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = additive_mask(allowed, feats.dtype).to(self.device)
-        head_in, feature = self.net(feats[None], self.frozen.embed(tokens)[None], positions[None].to(self.device),
-                                    mask, state.cache)
-        return head_in[0], feature[0]
+    def _run(self, feats, tokens, positions, allowed, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The network over [B, n] inputs; ``allowed`` [B, n, keys] says what each query sees in ``cache`` and
+        among the n (one row per lane)."""
+        mask = additive_mask(allowed, feats.dtype)[0, 0][:, None].to(self.device)
+        return self.net(feats, self.frozen.embed(tokens), positions.to(self.device), mask, cache)
 
-    def _feed_queue(self, state: FeatureState) -> int:
-        if state.queue:
-            feats = torch.cat([f for f, _ in state.queue])
-            tokens = torch.cat([t for _, t in state.queue])
-            state.queue = []
-            past, n = state.cache.get_seq_length(), tokens.numel()
-            allowed = torch.ones(n, past + n, dtype=torch.bool).tril(past)
-            head_in, feature = self._step(state, feats, tokens, torch.arange(past, past + n), allowed)
-            state.last = (head_in[-1], feature[-1])
-        return state.cache.get_seq_length()
+    def _feed(self, states: list[FeatureState]) -> None:
+        """Every lane's queued committed positions through the network in one call; each lane's cache grows
+        by them and keeps the network's outputs at its last position."""
+        lanes = [s for s in states if s.queue]
+        if not lanes:
+            return
+        feats = [torch.cat([f for f, _ in s.queue]) for s in lanes]
+        tokens = [torch.cat([t for _, t in s.queue]) for s in lanes]
+        for s in lanes:
+            s.queue = []
+        pasts, sizes = [s.cache.get_seq_length() for s in lanes], [t.numel() for t in tokens]
+        width, n = max(pasts), max(sizes)
+        cache = lanes[0].cache if len(lanes) == 1 else stacked([s.cache for s in lanes], pasts)
+        allowed = torch.zeros(len(lanes), n, width + n, dtype=torch.bool)
+        allowed[:, :, width:] = torch.ones(n, n, dtype=torch.bool).tril()  # padding sees padding: never read
+        x = feats[0].new_zeros(len(lanes), n, feats[0].shape[-1])
+        ids = tokens[0].new_zeros(len(lanes), n)
+        for b, (past, m) in enumerate(zip(pasts, sizes)):
+            allowed[b, :m, :past] = True
+            x[b, :m], ids[b, :m] = feats[b], tokens[b]
+        positions = torch.tensor(pasts)[:, None] + torch.arange(n)
+        head_in, feature = self._run(x, ids, positions, allowed, cache)
+        for b, (s, past, m) in enumerate(zip(lanes, pasts, sizes)):
+            if len(lanes) > 1:  # the lane's own cache: its past, then its m new positions
+                layer = cache.layers[0]
+                s.cache = DynamicCache()
+                s.cache.update(torch.cat([layer.keys[b:b + 1, :, :past], layer.keys[b:b + 1, :, width:width + m]], 2),
+                               torch.cat([layer.values[b:b + 1, :, :past],
+                                          layer.values[b:b + 1, :, width:width + m]], 2), 0)
+            s.last = (head_in[b, m - 1], feature[b, m - 1])
 
     @torch.inference_mode()
     def propose(self, state: FeatureState, request: DraftRequest) -> DraftTree:
-        depth = min(self.settings.depth, request.max_depth)
-        accepted = self._feed_queue(state)
-        if depth < 1 or state.last is None:
-            return DraftTree.empty()
-        try:
-            return self._expand(state, accepted, depth)
-        finally:
-            drop = state.cache.get_seq_length() - accepted
-            if drop > 0:
-                state.cache.crop(-drop)
+        return self.propose_batch([state], [request])[0]
 
-    def _expand(self, state: FeatureState, accepted: int, depth: int) -> DraftTree:
-        """EAGLE-2's dynamic tree: grow the top_k best frontier nodes per depth, then rerank."""
-        k, budget = self.settings.top_k, self.settings.total_tokens
-        head_in, feature = state.last
-        logp = torch.log_softmax(self.frozen.logits(head_in[None]).float(), dim=-1)[0]
-        score, tok = (t.cpu() for t in logp.topk(min(k, logp.numel())))  # the tree's bookkeeping is on the CPU
-        # every candidate, level by level; a node's global id is its index in the concatenation
-        scores, tokens, logps, parents, depths = ([score], [tok], [score], [torch.full_like(tok, -1)],
-                                                  [torch.ones_like(tok)])
-        frontier, front_tok, front_score = torch.arange(tok.numel()), tok, score
-        front_feat = feature[None].expand(tok.numel(), -1)
-        front_anc = torch.zeros(tok.numel(), 0, dtype=torch.bool)  # fed ancestors (none below the root)
-        fed_anc = torch.zeros(0, 0, dtype=torch.bool)  # ancestor-or-self among the fed tree nodes
-        count = tok.numel()
-        for d in range(1, depth):
-            f0, m = fed_anc.shape[0], frontier.numel()
-            fed_anc = torch.cat([torch.cat([fed_anc, torch.zeros(f0, m, dtype=torch.bool)], dim=1),
-                                 torch.cat([front_anc, torch.eye(m, dtype=torch.bool)], dim=1)])
-            allowed = torch.cat([torch.ones(m, accepted, dtype=torch.bool), fed_anc[f0:]], dim=1)
-            positions = torch.full((m,), accepted - 1 + d)
-            head_in, feats = self._step(state, front_feat, self.frozen.vocab_map[front_tok], positions, allowed)
-            logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)  # [m, V']
-            child_logp, child_tok = (t.cpu() for t in logp.topk(min(k, logp.shape[-1]), dim=-1))  # [m, k]
-            child_score = (front_score[:, None] + child_logp).reshape(-1)
-            width, n_new = child_tok.shape[1], child_tok.numel()
-            scores.append(child_score)
-            tokens.append(child_tok.reshape(-1))
-            logps.append(child_logp.reshape(-1))
-            parents.append(frontier.repeat_interleave(width))
-            depths.append(torch.full((n_new,), d + 1))
-            best = child_score.topk(min(k, n_new)).indices
-            parent_row = best // width  # row of each new frontier node's parent in this level
-            frontier, front_tok, front_score = count + best, tokens[-1][best], child_score[best]
-            front_feat, front_anc = feats[parent_row], fed_anc[f0 + parent_row]
-            count += n_new
-        flat_score, flat_depth = torch.cat(scores), torch.cat(depths)
-        key = flat_score - 1e-4 * flat_depth  # a parent always outranks its children
-        keep, rank = key.topk(min(budget, key.numel())).indices.sort()  # ids grow with depth; rank = keep order
+    @torch.inference_mode()
+    def propose_batch(self, states: list[FeatureState], requests: list[DraftRequest]) -> list[DraftTree]:
+        """Every lane's queue in one forward, then every lane's tree grown together, one forward per depth
+        (lanes that may draft fewer levels, near their token limit, grow apart)."""
+        self._feed(states)
+        trees = [DraftTree.empty()] * len(states)
+        by_depth: dict[int, list[int]] = {}
+        for i, (state, request) in enumerate(zip(states, requests)):
+            depth = min(self.settings.depth, request.max_depth)
+            if depth >= 1 and state.last is not None:
+                by_depth.setdefault(depth, []).append(i)
+        for depth, lanes in by_depth.items():
+            for i, tree in zip(lanes, self._expand([states[i] for i in lanes], depth)):
+                trees[i] = tree
+        return trees
+
+    def _expand(self, states: list[FeatureState], depth: int) -> list[DraftTree]:
+        """EAGLE-2's dynamic tree, for every lane at once: grow the top_k best frontier nodes per depth, then
+        rerank. A lone lane grows in its own cache (cropped back after); several in a stacked copy."""
+        k, b = self.settings.top_k, len(states)
+        accepted = [s.cache.get_seq_length() for s in states]
+        width = max(accepted)
+        cache = states[0].cache if b == 1 else stacked([s.cache for s in states], accepted)
+        head_in, feature = (torch.stack([s.last[j] for s in states]) for j in (0, 1))
+        logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)
+        score, tok = (t.cpu() for t in logp.topk(min(k, logp.shape[-1]), dim=-1))  # the bookkeeping is on the CPU
+        # every candidate, level by level; a node's id is its index in the concatenation, per lane
+        scores, tokens, logps, parents, depths = [score], [tok], [score], [torch.full_like(tok, -1)], [
+            torch.ones_like(tok)]
+        frontier, front_tok, front_score = torch.arange(tok.shape[1]).expand(b, -1), tok, score
+        front_feat = feature[:, None].expand(-1, tok.shape[1], -1)
+        front_anc = torch.zeros(b, tok.shape[1], 0, dtype=torch.bool)  # fed ancestors (none below the root)
+        fed_anc = torch.zeros(b, 0, 0, dtype=torch.bool)  # ancestor-or-self among the fed tree nodes
+        count, lanes = tok.shape[1], torch.arange(b)[:, None]
+        try:
+            for d in range(1, depth):
+                f0, m = fed_anc.shape[1], frontier.shape[1]
+                fed_anc = torch.cat([torch.cat([fed_anc, torch.zeros(b, f0, m, dtype=torch.bool)], dim=2),
+                                     torch.cat([front_anc, torch.eye(m, dtype=torch.bool).expand(b, m, m)], dim=2)],
+                                    dim=1)
+                allowed = torch.zeros(b, m, width + f0 + m, dtype=torch.bool)
+                for i, n in enumerate(accepted):
+                    allowed[i, :, :n] = True
+                allowed[:, :, width:] = fed_anc[:, f0:]
+                positions = (torch.tensor(accepted) - 1 + d)[:, None].expand(b, m)
+                head_in, feats = self._run(front_feat, self.frozen.vocab_map[front_tok], positions, allowed, cache)
+                logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)  # [B, m, V']
+                child_logp, child_tok = (t.cpu() for t in logp.topk(min(k, logp.shape[-1]), dim=-1))  # [B, m, k]
+                child_score = (front_score[:, :, None] + child_logp).reshape(b, -1)
+                width_k, n_new = child_tok.shape[2], m * child_tok.shape[2]
+                scores.append(child_score)
+                tokens.append(child_tok.reshape(b, -1))
+                logps.append(child_logp.reshape(b, -1))
+                parents.append(frontier.repeat_interleave(width_k, dim=1))
+                depths.append(torch.full((b, n_new), d + 1))
+                best = child_score.topk(min(k, n_new), dim=1).indices
+                parent_row = best // width_k  # row of each new frontier node's parent in this level
+                frontier, front_tok, front_score = count + best, tokens[-1].gather(1, best), child_score.gather(1, best)
+                front_feat, front_anc = feats[lanes, parent_row], fed_anc[:, f0:][lanes, parent_row]
+                count += n_new
+        finally:
+            if b == 1 and cache.get_seq_length() > accepted[0]:
+                cache.crop(accepted[0] - cache.get_seq_length())
+        flat = [torch.cat(x, dim=1) for x in (scores, tokens, logps, parents, depths)]
+        return [self._tree(*(x[i] for x in flat), count) for i in range(b)]
+
+    def _tree(self, score, tokens, logps, parents, depths, count: int) -> DraftTree:
+        """One lane's candidates reranked: the total_tokens best, a parent always before its children."""
+        key = score - 1e-4 * depths  # a parent always outranks its children
+        keep, rank = key.topk(min(self.settings.total_tokens, key.numel())).indices.sort()  # ids grow with depth
         index = torch.full((count,), -1, dtype=torch.long)
         index[keep] = torch.arange(1, keep.numel() + 1)
-        parent_ids = torch.cat(parents)[keep]
+        parent_ids = parents[keep]
         parent_input = torch.where(parent_ids < 0, torch.zeros_like(parent_ids), index[parent_ids.clamp_min(0)])
-        return DraftTree(self.frozen.vocab_map[torch.cat(tokens)[keep]].cpu(), parent_input,
-                         torch.cat(logps)[keep].cpu(), info={"rank": rank})
+        return DraftTree(self.frozen.vocab_map[tokens[keep]].cpu(), parent_input, logps[keep].cpu(),
+                         info={"rank": rank})
+
+
+def stacked(caches: list[DynamicCache], lengths: list[int]) -> DynamicCache:
+    """One cache holding each lane's first ``lengths[b]`` positions in its row, padded to the longest (the
+    padding is masked from every query)."""
+    out, width = DynamicCache(), max(lengths)
+    filled = [(b, c.layers[0], n) for b, (c, n) in enumerate(zip(caches, lengths)) if n]
+    if not filled:
+        return out
+    ref = filled[0][1].keys
+    keys = ref.new_zeros(len(caches), ref.shape[1], width, ref.shape[3])
+    values = torch.zeros_like(keys)
+    for b, layer, n in filled:
+        keys[b, :, :n], values[b, :, :n] = layer.keys[0, :, :n], layer.values[0, :, :n]
+    out.update(keys, values, 0)
+    return out
