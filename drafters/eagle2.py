@@ -18,7 +18,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings
+from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings, lanes_by_depth
 from specviz.core.target import cache_kwarg
 from specviz.core.tree import DraftTree, additive_mask
 
@@ -207,12 +207,7 @@ class Eagle2Drafter(TrainedDrafter):
         (lanes that may draft fewer levels, near their token limit, grow apart)."""
         self._feed(states)
         trees = [DraftTree.empty()] * len(states)
-        by_depth: dict[int, list[int]] = {}
-        for i, (state, request) in enumerate(zip(states, requests)):
-            depth = min(self.settings.depth, request.max_depth)
-            if depth >= 1 and state.last is not None:
-                by_depth.setdefault(depth, []).append(i)
-        for depth, lanes in by_depth.items():
+        for depth, lanes in lanes_by_depth(states, requests, self.settings.depth, lambda s: s.last is not None).items():
             for i, tree in zip(lanes, self._expand([states[i] for i in lanes], depth)):
                 trees[i] = tree
         return trees

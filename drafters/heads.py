@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specviz.core.errors import SettingsError
-from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings
+from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings, lanes_by_depth
 from specviz.core.tree import DraftTree
 
 from .trained import TrainedDrafter
@@ -149,12 +149,7 @@ class HeadDrafter(TrainedDrafter):
     def propose_batch(self, states: list[HeadState], requests: list[DraftRequest]) -> list[DraftTree]:
         """Every lane's beam search in one call per draft length (lanes near their token limit draft shorter)."""
         trees: list[DraftTree] = [DraftTree.empty()] * len(states)
-        by_length: dict[int, list[int]] = {}
-        for i, (state, request) in enumerate(zip(states, requests)):
-            length = min(self.settings.length, request.max_depth)
-            if length >= 1 and state.x is not None:
-                by_length.setdefault(length, []).append(i)
-        for length, lanes in by_length.items():
+        for length, lanes in lanes_by_depth(states, requests, self.settings.length, lambda s: s.x is not None).items():
             x = torch.cat([states[i].x for i in lanes])
             roots = torch.tensor([states[i].root for i in lanes], device=x.device)
             beams, logps = beam_search_batch(self.net, self.frozen, x, roots, self.settings.width, length)

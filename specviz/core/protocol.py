@@ -74,6 +74,17 @@ class Drafter:
         return 0
 
 
+def lanes_by_depth(states: list, requests: list[DraftRequest], most: int, ready) -> dict[int, list[int]]:
+    """The lanes of a batch grouped by how deep each may draft (``most``, or less near its token limit), without
+    those that may draft nothing or whose state is not ``ready``: what a ``propose_batch`` runs together."""
+    groups: dict[int, list[int]] = {}
+    for i, (state, request) in enumerate(zip(states, requests)):
+        depth = min(most, request.max_depth)
+        if depth >= 1 and ready(state):
+            groups.setdefault(depth, []).append(i)
+    return groups
+
+
 def check_range(name: str, value, low, high) -> None:
     if not (low <= value <= high):
         raise SettingsError(f"{name} must be in [{low}, {high}], got {value}")
