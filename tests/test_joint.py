@@ -3,6 +3,7 @@ separate training bit for bit, and the adapted target with its drafter decodes e
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -19,6 +20,7 @@ from drafters.training.features import FeatureSet
 from drafters.training.joint import JointOptions, joint_class
 from drafters.training.loop import train
 from drafters.vocab_head import FrozenTarget
+from specviz.apps import training_cli
 from specviz.core.engine import run
 from specviz.core.errors import SettingsError
 from specviz.core.target import TargetModel
@@ -115,3 +117,8 @@ def test_train_joint_on_a_domain_slice_from_the_command_line(tiny_target_dir, tm
     assert card["joint"]["lam"] == 0.5 and card["joint"]["rank"] == 2 and (out / "target" / "config.json").exists()
     assert main(["train", "--drafter", "semi-attn", "--joint", "--ship", "--target", str(tiny_target_dir)]) == 2
     assert "not shipped" in capsys.readouterr().err
+    parser = argparse.ArgumentParser()
+    training_cli.add_parsers(parser.add_subparsers(dest="command"))
+    with pytest.raises(SystemExit):  # a slice is one of the stated rules
+        parser.parse_args(["train", "--drafter", "semi-attn", "--domain", "cooking"])
+    assert parser.parse_args(["train", "--drafter", "semi-attn", "--joint"]).lam == 0.25
