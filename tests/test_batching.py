@@ -50,12 +50,40 @@ def test_the_command_writes_the_sweep_and_refuses_what_it_cannot_do(tiny_target_
         ("ar", 1), ("pld", 1), ("ar", 2), ("pld", 2)]
     main(["report", str(out)])
     assert "| method | batch 1 | batch 2 |" in capsys.readouterr().out
-    refused = ((["--batch-sizes", "1,x"], "whole numbers"), (["--batch-sizes", "2", "--resume"], "no --resume"),
+    refused = ((["--batch-sizes", "1,x"], "whole numbers"), (["--batch-sizes", "2", "--part", "1/2"], "no --part"),
                (["--batch-sizes", "0"], "positive integers"))
     for bad, message in refused:
         code = main(["bench", "--target", str(tiny_target_dir), "--dtype", "float32", "--methods", "pld", "--limit",
                      "1", "--max-new-tokens", "4", "--out", str(tmp_path / "no.json"), *bad])
         assert code == 2 and message in capsys.readouterr().err and not (tmp_path / "no.json").exists()
+
+
+def test_a_killed_sweep_resumes_keeping_only_whole_batch_sizes(tiny_target_dir, tmp_path, monkeypatch, capsys):
+    """A resume keeps the batch sizes every method finished and measures a half-done size again whole, so a
+    speedup never compares runs of two processes; a file made another way is refused."""
+    from specviz.apps import batching
+
+    out = tmp_path / "batches.json"
+    command = ["bench", "--target", str(tiny_target_dir), "--dtype", "float32", "--methods", "pld", "--limit", "2",
+               "--max-new-tokens", "6", "--batch-sizes", "1,2", "--out", str(out)]
+    assert main(command) == 0
+    killed = BatchSweep.load(out)
+    first = {(p.method, p.batch_size): p for p in killed.points}
+    killed.points = killed.points[:-1]  # killed before pld at batch 2
+    killed.save(out)
+    measured, measure = [], batching.measure
+    monkeypatch.setattr(batching, "measure", lambda t, label, ps, b, *a: measured.append((label, b)) or measure(
+        t, label, ps, b, *a))
+    assert main([*command, "--resume"]) == 0
+    assert measured == [("ar", 2), ("pld", 2)]  # batch 1 kept, batch 2 again from AR
+    resumed = BatchSweep.load(out)
+    assert [(p.method, p.batch_size) for p in resumed.points] == [("ar", 1), ("pld", 1), ("ar", 2), ("pld", 2)]
+    assert resumed.point("pld", 1) == first["pld", 1]
+    measured.clear()
+    assert main([*command, "--resume"]) == 0 and measured == []  # finished: nothing left
+    capsys.readouterr()
+    assert main([*command[:-4], "--max-new-tokens", "5", "--batch-sizes", "1,2", "--out", str(out), "--resume"]) == 2
+    assert "another max_new_tokens" in capsys.readouterr().err
 
 
 def test_the_benchmark_tab_streams_the_sweep_as_a_figure_and_a_table(tiny_target_dir):

@@ -57,9 +57,25 @@ def measure(target: TargetModel, label: str, prompts: list[list[int]], batch_siz
     return point, outputs
 
 
+RESUME_KEYS = ("target", "device", "dtype", "machine", "questions", "max_new_tokens", "sampling")
+
+
+def kept_sizes(done: BatchSweep, sweep: BatchSweep, labels: list[str]) -> set[int]:
+    """The batch sizes a killed sweep (``done``) measured for every method, which a resume keeps. A size it left
+    half done is measured again whole: its speedups compare methods run in one process. ``done`` must have run
+    the same way (target, machine, questions, tokens, sampling)."""
+    other = [k for k in RESUME_KEYS if getattr(done, k) != getattr(sweep, k)]
+    if other:
+        raise SettingsError(f"the sweep to resume ran with another {', '.join(other)}: "
+                            f"{', '.join(f'{getattr(done, k)!r}' for k in other)}")
+    return {p.batch_size for p in done.points if all(done.point(m, p.batch_size) for m in labels)}
+
+
 def sweep_points(target: TargetModel, methods: list[str], questions: list[Question], batch_sizes: list[int],
-                 max_new_tokens: int = 128, sampling: Sampling | None = None, source: str = "") -> Iterator[BatchSweep]:
-    """Every method (AR first, always) at every batch size on ``questions``: the sweep so far after each point."""
+                 max_new_tokens: int = 128, sampling: Sampling | None = None, source: str = "",
+                 done: BatchSweep | None = None) -> Iterator[BatchSweep]:
+    """Every method (AR first, always) at every batch size on ``questions``: the sweep so far after each point.
+    ``done``: a killed run of the same sweep, whose complete batch sizes are kept (``kept_sizes``)."""
     sampling = sampling or Sampling()
     if not batch_sizes or min(batch_sizes) < 1:
         raise SettingsError(f"batch sizes must be positive integers, got {batch_sizes}")
@@ -68,7 +84,13 @@ def sweep_points(target: TargetModel, methods: list[str], questions: list[Questi
     sweep = BatchSweep(target.name, str(target.device), str(target.dtype).replace("torch.", ""),
                        machine_description(), str(date.today()), f"{source or 'questions'} ({len(prompts)})",
                        max_new_tokens, asdict(sampling))
+    kept = kept_sizes(done, sweep, labels) & set(batch_sizes) if done is not None else set()
+    sweep.points = [p for p in done.points if p.batch_size in kept and p.method in labels] if kept else []
+    if kept >= set(batch_sizes):  # a finished sweep, resumed: nothing left to measure
+        yield sweep
     for batch_size in batch_sizes:
+        if batch_size in kept:
+            continue
         reference = None
         for label in labels:
             point, outputs = measure(target, label, prompts, batch_size, max_new_tokens, sampling)
@@ -82,11 +104,11 @@ def sweep_points(target: TargetModel, methods: list[str], questions: list[Questi
 
 def batch_sweep(target: TargetModel, methods: list[str], questions: list[Question], batch_sizes: list[int],
                 max_new_tokens: int = 128, sampling: Sampling | None = None, source: str = "",
-                on_point=None) -> BatchSweep:
+                on_point=None, done: BatchSweep | None = None) -> BatchSweep:
     """``sweep_points`` to the end; ``on_point(sweep)`` after each point (a caller saves it: a killed sweep keeps
-    what it measured)."""
+    what it measured, and ``done`` resumes it)."""
     sweep = None
-    for sweep in sweep_points(target, methods, questions, batch_sizes, max_new_tokens, sampling, source):
+    for sweep in sweep_points(target, methods, questions, batch_sizes, max_new_tokens, sampling, source, done):
         if on_point is not None:
             on_point(sweep)
     return sweep

@@ -195,6 +195,7 @@ def cmd_bench(args) -> None:  # apps.bench (the loop) and apps.runlog (its log, 
 
 
 def _bench_batches(args, methods: list[str], questions, sampling) -> None:  # apps.batching
+    from .batch_results import BatchSweep
     from .batching import batch_sweep
     from .methods import is_baseline, parse_method
 
@@ -202,11 +203,12 @@ def _bench_batches(args, methods: list[str], questions, sampling) -> None:  # ap
         sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     except ValueError:
         raise SpecvizError(f"--batch-sizes takes whole numbers, e.g. 1,2,4,8; got {args.batch_sizes!r}") from None
-    if args.resume or args.part or args.update_cards or any(is_baseline(parse_method(m)[0]) for m in methods):
-        raise SpecvizError("--batch-sizes runs engine methods in one go: no --resume, --part, --update-cards, hf")
+    if args.part or args.update_cards or any(is_baseline(parse_method(m)[0]) for m in methods):
+        raise SpecvizError("--batch-sizes runs engine methods in one go: no --part, --update-cards, hf")
+    done = BatchSweep.load(Path(args.out)) if args.resume and Path(args.out).exists() else None
     target = _target(args)
     sweep = batch_sweep(target, methods, questions, sizes, args.max_new_tokens, sampling, args.questions,
-                        on_point=lambda s: s.save(Path(args.out)))  # a killed sweep keeps its points
+                        on_point=lambda s: s.save(Path(args.out)), done=done)  # a killed sweep keeps its points
     print(sweep.markdown())
     print(f"wrote {args.out}")
 
