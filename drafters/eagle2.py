@@ -188,13 +188,10 @@ class Eagle2Drafter(TrainedDrafter):
             x[b, :m], ids[b, :m] = feats[b], tokens[b]
         positions = torch.tensor(pasts)[:, None] + torch.arange(n)
         head_in, feature = self._run(x, ids, positions, allowed, cache)
-        for b, (s, past, m) in enumerate(zip(lanes, pasts, sizes)):
-            if len(lanes) > 1:  # the lane's own cache: its past, then its m new positions
+        for b, (s, m) in enumerate(zip(lanes, sizes)):
+            if len(lanes) > 1:  # the lane's own cache grows by its m new positions, as a lone lane's does
                 layer = cache.layers[0]
-                s.cache = DynamicCache()
-                s.cache.update(torch.cat([layer.keys[b:b + 1, :, :past], layer.keys[b:b + 1, :, width:width + m]], 2),
-                               torch.cat([layer.values[b:b + 1, :, :past],
-                                          layer.values[b:b + 1, :, width:width + m]], 2), 0)
+                s.cache.update(layer.keys[b:b + 1, :, width:width + m], layer.values[b:b + 1, :, width:width + m], 0)
             s.last = (head_in[b, m - 1], feature[b, m - 1])
 
     @torch.inference_mode()
