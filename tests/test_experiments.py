@@ -4,6 +4,7 @@ figure, and one experiment end to end on a tiny target (train the arms at a budg
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,39 @@ def test_the_benchmark_tab_lists_shipped_experiments(tiny_run, tmp_path, monkeyp
     assert views.experiment_choices() == ["tiny-ablation-tiny"]
     text, figure = views.experiment_view("tiny-ablation-tiny")
     assert text == result.markdown() and {t.name for t in figure.data} >= {"FSPAD", "without PAD"}
+
+
+def test_train_only_finds_the_arms_trained_at_the_budget_and_benches_nothing(tiny_run, tiny_target_dir, capsys,
+                                                                             monkeypatch, tmp_path):
+    """--train-only resumes the arms' runs (here all finished, so none trains again) and writes no results."""
+    result, _ = tiny_run
+    exp = Experiment("tiny-ablation", "FSPAD", "Table 3", "Does the test run?",
+                     tuple(Arm(a.label, a.spec.split(":checkpoint=")[0], a.train) for a in result.arms[:2]))
+    monkeypatch.setattr(experiment_cli, "experiment", lambda name: exp)
+    monkeypatch.setattr(experiment_cli, "budget",
+                        lambda name: Budget("tiny", "6", "first", 64, 1, "float32", "a test's", answer_tokens=8))
+    args = build_parser().parse_args(["experiment", "tiny-ablation", "--train-only", "--target", str(tiny_target_dir),
+                                      "--device", "cpu", "--out", str(tmp_path / "r.json")])
+    folders = [Path(a.spec.split(":checkpoint=")[1]) for a in result.arms[:2]]
+    stamps = [sorted((f.name, f.stat().st_mtime_ns) for f in folder.iterdir()) for folder in folders]
+    experiment_cli.cmd_experiment(args)
+    assert [sorted((f.name, f.stat().st_mtime_ns) for f in folder.iterdir()) for folder in folders] == stamps
+    printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert printed == {a.train: a.spec.split(":checkpoint=")[1] for a in result.arms[:2]}
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_the_table_shows_merged_beams_compression_only_where_beams_merged():
+    from specviz.apps.experiment_results import ArmResult
+
+    def arm(label, compression):
+        return ArmResult(label, "redrafter", 0.0, 1.5, 1.1, 10.0, 2, 2, [0.4], compression)
+
+    def table(*arms):
+        result = ExperimentResult("beams", "ReDrafter", "Fig. 5", "?", {}, "q", 8, "m", "d")
+        result.arms.extend(arms)
+        return result.markdown()
+
+    assert "beam tokens per tree token" not in table(arm("eagle", None))
+    merged = table(arm("width 1", 1.0), arm("width 4", 1.29))
+    assert "beam tokens per tree token" in merged and "| width 4 | 1.50 | 1.29 | 1.10× |" in merged

@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     e.add_argument("--out", default=None, help="results file (default: ~/.cache/specviz/experiments/NAME-BUDGET.json)")
     e.add_argument("--ship", action="store_true", help="write the results into assets/experiments instead")
+    e.add_argument("--train-only", action="store_true",
+                   help="train (or resume) the arms and stop: bench them later, on a quiet machine, with the same "
+                        "command without this flag")
 
 
 def cmd_experiment(args: argparse.Namespace) -> None:
@@ -38,11 +41,18 @@ def cmd_experiment(args: argparse.Namespace) -> None:
     import torch
 
     from .domain_eval import domain_questions
-    from .experiment_run import run_experiment
+    from .experiment_run import run_experiment, train_arms
     from .questions import load_questions
 
     exp, chosen = experiment(args.name), budget(args.budget)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.train_only:
+        from specviz.core.load import load_target
+
+        folders = train_arms(exp, chosen, load_target(args.target, "float32", device), device)
+        for (name, lam), folder in folders.items():
+            print(f"{name}{'' if lam is None else f' jointly (lambda {lam:g})'}: {folder}")
+        return
     name = f"{exp.name}-{chosen.name}" if exp.trains else exp.name
     out = Path(args.out) if args.out else (SHIPPED if args.ship else cache_dir() / "experiments") / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -103,8 +103,10 @@ class ExperimentResult:
         depths = max((len(a.training.val) for a in self.arms if a.training), default=0)
         several = len(self.temperatures) > 1
         domain = any(a.target_rouge_l is not None or a.lam is not None for a in self.arms)
+        merged = any((a.compression or 1.0) > 1.0 for a in self.arms)  # beams merged into a tree (ReDrafter)
         header = ["arm", *(["T"] if several else []), *(f"val acc{d}" for d in range(1, depths + 1)),
-                  "τ", "speedup", "draft ms/token", "α by depth", "identical to AR",
+                  "τ", *(["beam tokens per tree token"] if merged else []), "speedup", "draft ms/token",
+                  "α by depth", "identical to AR",
                   *(["target Rouge-L", "trained parameters (+ LoRA)"] if domain else [])]
         rows = []
         for a in self.arms:
@@ -119,8 +121,9 @@ class ExperimentResult:
                 lora = a.training.lora_parameters if a.training else None
                 params = "–" if not a.training else f"{a.training.parameters:,}" + (f" (+ {lora:,})" if lora else "")
                 extra = ["–" if a.target_rouge_l is None else f"{a.target_rouge_l:.3f}", params]
+            compression = [f"{a.compression:.2f}" if a.compression else "–"] if merged else []
             rows.append("| " + " | ".join([a.label, *([f"{a.temperature:g}"] if several else []), *val, tau,
-                                            f"{a.speedup:.2f}×", draft, alpha, exact, *extra]) + " |")
+                                            *compression, f"{a.speedup:.2f}×", draft, alpha, exact, *extra]) + " |")
         budget = self.budget or {}
         head = (f"**{self.name}** ({self.paper}, {self.reproduces}): {self.question}  \n"
                 f"Budget `{budget.get('name', 'shipped')}`"
