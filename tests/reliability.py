@@ -9,6 +9,7 @@ or a failure: ``silent`` (an error without a message), ``traceback`` (internals 
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import time
@@ -64,9 +65,10 @@ def _good() -> list[str]:
     return [json.dumps(a) for a in GOOD]
 
 
-def generated_cases(pairs: int, seed: int = 0) -> list[Case]:
+def generated_cases(rounds: int = 1, seed: int = 0) -> list[Case]:
     """Every bad value alone in an otherwise good call, every argument count from none to one too many, then
-    ``pairs`` calls with two bad arguments drawn at random (seeded)."""
+    ``rounds`` calls with two bad arguments for every pair of argument positions (a covering design: each pair
+    of positions meets, which random pairs do not promise), the two bad values drawn at random (seeded)."""
     cases = []
     for position, values in BAD.items():
         for i, value in enumerate(values):
@@ -77,11 +79,11 @@ def generated_cases(pairs: int, seed: int = 0) -> list[Case]:
         args = (_good() + ['"extra"'])[:count]
         cases.append(Case(f"{count}-arguments", _body(args)))
     rng = random.Random(seed)
-    for i in range(pairs):
-        args = _good()
-        first, second = rng.sample(sorted(BAD), 2)
-        args[first], args[second] = rng.choice(BAD[first]), rng.choice(BAD[second])
-        cases.append(Case(f"pair{i}-arg{first}-arg{second}", _body(args)))
+    for r in range(rounds):
+        for first, second in itertools.combinations(sorted(BAD), 2):
+            args = _good()
+            args[first], args[second] = rng.choice(BAD[first]), rng.choice(BAD[second])
+            cases.append(Case(f"pair{r}-arg{first}-arg{second}", _body(args)))
     return cases
 
 

@@ -176,7 +176,9 @@ def test_benchmark_streams_a_table_per_prompt(client):
 
 
 def test_a_full_queue_turns_callers_away_and_the_server_goes_on(tiny_target_dir):
-    app = RunningApp(tiny_target_dir, SPECVIZ_QUEUE_SIZE="1")
+    # each call stops after 3 s of engine time (a note says so): long enough for the four submissions to
+    # meet a busy engine, short enough that the running and the queued call do not decode 512 tokens each
+    app = RunningApp(tiny_target_dir, SPECVIZ_QUEUE_SIZE="1", SPECVIZ_COMPARE_BUDGET_S="3")
     try:
         client = Client(app.url, verbose=False)
         jobs = [client.submit("Write a long story.", ["ar", "pld"], 512, api_name="/compare") for _ in range(4)]
