@@ -141,6 +141,9 @@ def test_train_only_finds_the_arms_trained_at_the_budget_and_benches_nothing(tin
     printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
     assert printed == {a.train: a.spec.split(":checkpoint=")[1] for a in result.arms[:2]}
     assert not (tmp_path / "r.json").exists()
+    monkeypatch.setattr(experiment_cli, "experiment", lambda name: EXPERIMENTS["redrafter-beams"])
+    experiment_cli.cmd_experiment(args)  # shipped drafters only: said, and nothing loaded
+    assert capsys.readouterr().out == "redrafter-beams trains no arms: bench it without --train-only\n"
 
 
 def test_the_table_shows_merged_beams_compression_only_where_beams_merged():

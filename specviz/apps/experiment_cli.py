@@ -47,6 +47,9 @@ def cmd_experiment(args: argparse.Namespace) -> None:
     exp, chosen = experiment(args.name), budget(args.budget)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.train_only:
+        if not exp.trains and not exp.joint:  # its arms are shipped drafters: nothing to load or train
+            print(f"{exp.name} trains no arms: bench it without --train-only")
+            return
         from specviz.core.load import load_target
 
         folders = train_arms(exp, chosen, load_target(args.target, "float32", device), device)
