@@ -40,7 +40,10 @@ def test_every_layout_gets_its_place_and_nothing_crashes(tmp_path, monkeypatch, 
                         "## Temperature sweeps", "### `sweep.json`", "## The app against the CLI", "### `app.json`",
                         "## The papers' experiments", "### `hass-beta-small.json`", "## Other files"]
     assert "| EAGLE-2 | 0.600 | 0.400 | 2.50 | 1.10× | – | 0.80 0.70 | 2/2 |" in doc
-    assert "| ar | browser | 8.3 | 0.89 |" in doc and "first token on screen: 0.65–0.74 s" in doc
+    app = json.loads((tmp_path / "app.json").read_text())  # its row and range, as the file holds them
+    row, (low, high) = app["summary"]["ar browser"], app["first_token_on_screen_s"]
+    assert f"| ar | browser | {row['tok_s']:.1f} | {row['x_cli']:.2f} |" in doc
+    assert f"first token on screen: {low:.2f}–{high:.2f} s" in doc
     assert "| `profile.json` | NVIDIA H100 80GB HBM3 | bfloat16 | chain | 256 | 2026-11-26 | 1: " in doc
     assert doc.count("| `ar` | 1.00 |") == 2 and "| `hf` | – | – | – |" in doc
     assert "- `broken_bench.json`\n- `cut.json.xz`\n- `list.json`" in doc and "notes.txt" not in doc

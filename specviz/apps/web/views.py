@@ -23,7 +23,7 @@ from . import export, replay
 from .plan import Plan
 from .state import AppState
 
-PLOT_EVERY_S = 3.0  # the plots are redrawn at most this often while streaming
+PLOT_EVERY_S = 5.0  # the plots are redrawn at most this often while streaming (plotly figures are slow to build)
 
 
 def plots(runs: dict) -> list:
