@@ -11,6 +11,7 @@ from drafters import build_drafter
 from drafters.sps import AssistantDrafter, AssistantSettings
 from specviz.core.engine import DISPLAY, generate, hover, margins, run
 from specviz.core.target import TargetModel
+from specviz.core.verify import Sampling, probabilities
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,24 @@ def test_benches_skip_the_hover_probabilities_and_nothing_else(target, ar_output
     assert all(r.node_target_p.numel() == len(r.tree) for r in shown.records)
     lean = run(target, drafter, PROMPTS[4], NEW_TOKENS[4], stop_on_eos=False)  # no observer: no margins either
     assert lean.output_ids == ar_outputs[4] and all(r.margins == [] for r in lean.records)
+
+
+def test_sampled_hovers_are_the_sampling_distribution_at_each_parent(target):
+    """At T > 0 with top-p, each shown probability is the sampling distribution (temperature and nucleus) of
+    the whole row it was chosen at, though the observer computes only the rows it shows."""
+    seen = []
+    sampling = Sampling(temperature=0.8, top_p=0.9, seed=5)
+    drafter = RandomTreeDrafter(PROMPTS[1], None, seed=4)
+    records = list(generate(target, drafter, PROMPTS[1], 8, sampling, stop_on_eos=False,
+                            observers=(seen.append, hover)))
+    assert len(seen) == len(records) and any(len(v.record.tree) > 1 for v in seen)  # the prefill too
+    for v in seen:
+        full = probabilities(v.logits, v.sampling)
+        rows = torch.cat([v.record.tree.parents, torch.tensor([v.keep[-1]])])
+        cols = torch.cat([v.record.tree.tokens, torch.tensor([v.record.bonus])])
+        expected = full[rows, cols]
+        torch.testing.assert_close(v.record.node_target_p, expected[:-1])
+        assert v.record.bonus_target_p == pytest.approx(float(expected[-1]))
 
 
 def test_step_records_node_probabilities(target):
