@@ -79,6 +79,10 @@ def sweep_points(target: TargetModel, methods: list[str], questions: list[Questi
     sampling = sampling or Sampling()
     if not batch_sizes or min(batch_sizes) < 1:
         raise SettingsError(f"batch sizes must be positive integers, got {batch_sizes}")
+    if max(batch_sizes) > len(questions):  # a batch never holds more sequences than there are questions
+        raise SettingsError(f"batch size {max(batch_sizes)} needs at least {max(batch_sizes)} questions, got "
+                            f"{len(questions)}: it would run as batch {len(questions)}; add questions (e.g. "
+                            "--per-category 2 or --limit) or leave the size out")
     labels = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
     prompts = [target.text.encode_chat(q.prompt) for q in questions]
     sweep = BatchSweep(target.name, str(target.device), str(target.dtype).replace("torch.", ""),

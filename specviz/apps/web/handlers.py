@@ -221,9 +221,13 @@ class Handlers:
                                                                            max_new_tokens, (2, 64))
             labels = picked + (["redrafter:preset=paper", "redrafter:preset=paper:tree_attention=0"]
                                if "redrafter" in picked else [])
-            steps = state.on_engine_thread(sweep_points(state.target, labels, questions, list(BATCH_SIZES),
-                                                        max_new_tokens, source=question_set))
-            deadline, total = time.perf_counter() + BENCH_BUDGET_S, len(BATCH_SIZES) * (len(set(labels) - {"ar"}) + 1)
+            sizes = [b for b in BATCH_SIZES if b <= len(questions)]  # a batch holds at most one per question
+            if len(sizes) < len(BATCH_SIZES):
+                notes.append(f"batch {', '.join(str(b) for b in BATCH_SIZES if b not in sizes)} left out: it needs "
+                             "as many questions")
+            steps = state.on_engine_thread(sweep_points(state.target, labels, questions, sizes, max_new_tokens,
+                                                        source=question_set))
+            deadline, total = time.perf_counter() + BENCH_BUDGET_S, len(sizes) * (len(set(labels) - {"ar"}) + 1)
             for sweep in steps:
                 if time.perf_counter() > deadline:
                     notes.append(f"stopped at this page's budget of {BENCH_BUDGET_S / 60:.0f} min; "
