@@ -133,6 +133,26 @@ def test_a_batch_of_drafts_gives_each_lane_its_own_tree(target, method, settings
             torch.testing.assert_close(batched.cache.layers[0].keys, lone.cache.layers[0].keys, atol=1e-5, rtol=1e-5)
 
 
+def test_lane_by_lane_drafting_drafts_the_same_trees_one_call_per_lane(target):
+    """The A/B arm ``batched_drafting=0``: the drafter's own batched call, on one lane at a time."""
+    from specviz.apps.batching import lane_by_lane
+
+    settings = dict(depth=3, top_k=3, total_tokens=8)
+    batched = build_drafter("eagle2", target, checkpoint=str(session_checkpoint(target, "eagle2")), **settings)
+    rooms = (5, 2, 0, 5)
+    states, requests = observed_lanes(batched, target, rooms)
+    together = batched.propose_batch(states, requests)
+    lanes = build_drafter("eagle2", target, checkpoint=str(session_checkpoint(target, "eagle2")), **settings)
+    calls = []
+    inner = lanes.propose_batch
+    lanes.propose_batch = lambda s, r: calls.append(len(s)) or inner(s, r)
+    lane_by_lane(lanes)
+    apart = lanes.propose_batch(*observed_lanes(lanes, target, rooms))
+    assert calls == [1] * len(rooms)
+    for a, b in zip(together, apart):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+
+
 def test_end_of_sequence_ends_a_lane_and_the_next_prompt_joins(target):
     texts = prompts(6, seed=3)
     alone = [run(target, build_drafter("pld", target), ids, 40, stop_on_eos=False).output_ids for ids in texts]

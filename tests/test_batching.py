@@ -9,6 +9,7 @@ from specviz.apps.batch_results import BatchSweep
 from specviz.apps.batching import batch_sweep
 from specviz.apps.cli import main
 from specviz.apps.questions import load_questions
+from specviz.core.errors import SettingsError
 from specviz.core.load import load_target
 
 
@@ -21,11 +22,15 @@ def test_a_sweep_has_every_method_at_every_batch_size_beside_ar(target, tmp_path
     questions = load_questions("mt-bench", limit=3)
     saved = []
     look = "lookahead:window=2:ngram=3:guesses=2"  # settings given: nothing to tune
-    sweep = batch_sweep(target, ["pld:num_tokens=3", look], questions, [1, 2], max_new_tokens=12,
+    apart = "pld:num_tokens=3:batched_drafting=0"  # the A/B arm that drafts lane by lane
+    sweep = batch_sweep(target, ["pld:num_tokens=3", look, apart], questions, [1, 2], max_new_tokens=12,
                         source="mt-bench", on_point=lambda s: saved.append(len(s.points)))
     assert [(p.method, p.batch_size) for p in sweep.points] == [
-        (m, b) for b in (1, 2) for m in ("ar", "pld:num_tokens=3", look)]
-    assert saved == [1, 2, 3, 4, 5, 6]  # after every point: a killed sweep keeps what it measured
+        (m, b) for b in (1, 2) for m in ("ar", "pld:num_tokens=3", look, apart)]
+    assert saved == [1, 2, 3, 4, 5, 6, 7, 8]  # after every point: a killed sweep keeps what it measured
+    assert sweep.point(apart, 2).settings == {"num_tokens": 3} and sweep.point(apart, 2).identical == 3
+    with pytest.raises(SettingsError, match="batched_drafting is 1"):
+        batch_sweep(target, ["pld:batched_drafting=2"], questions, [1], max_new_tokens=4)
     for p in sweep.points:
         assert p.sequences == 3 and p.new_tokens == 36 and p.throughput > 0 and p.sequence_tok_s > 0
         assert p.identical in (None, 3)  # greedy and lossless: every sequence is AR's

@@ -19,6 +19,7 @@ from drafters import build_drafter
 from specviz.core.batch import generate_batch
 from specviz.core.errors import SettingsError
 from specviz.core.metrics import tau
+from specviz.core.protocol import Drafter
 from specviz.core.target import TargetModel
 from specviz.core.verify import Sampling
 
@@ -29,12 +30,28 @@ from .questions import Question
 from .tuning import resolve
 
 
+def lane_by_lane(drafter: Drafter) -> Drafter:
+    """``drafter`` drafting a batch's lanes one call each, with its own batched call on one lane at a time: the
+    other arm of the A/B that prices batched drafting (``batched_drafting=0`` in a method's label). The trees
+    are the same; only the number of network calls per step changes."""
+    batched = drafter.propose_batch
+    drafter.propose_batch = lambda states, requests: [batched([s], [r])[0] for s, r in zip(states, requests)]
+    return drafter
+
+
 def measure(target: TargetModel, label: str, prompts: list[list[int]], batch_size: int, max_new_tokens: int,
             sampling: Sampling) -> tuple[BatchPoint, list[list[int]]]:
-    """One method at one batch size over ``prompts``: its point and every sequence's output."""
+    """One method at one batch size over ``prompts``: its point and every sequence's output. A label's
+    ``batched_drafting=0`` drafts lane by lane (``lane_by_lane``) at the budget the method has without it."""
     name, given = parse_method(label)
+    batched = given.pop("batched_drafting", 1)
+    if batched not in (0, 1):
+        raise SettingsError(f"{label}: batched_drafting is 1 (every lane in one call, the default) or 0 (lane by "
+                            f"lane), got {batched!r}")
     settings, _ = resolve(target, name, given, batch=batch_size)  # tuned here for this batch size, unless given
     drafter = build_drafter(name, target, **settings)
+    if not batched:
+        drafter = lane_by_lane(drafter)
     for _ in generate_batch(target, drafter, prompts[:2], 4, sampling, min(batch_size, 2)):
         pass  # warm-up: one-off costs stay out of the timing
     records: list[list] = [[] for _ in prompts]
