@@ -2,7 +2,8 @@
 
     python app.py [--target HF_ID_OR_FOLDER] [--assistant HF_ID_OR_FOLDER] [--drafters DIR] [--device cuda]
                   [--drafter METHOD=HF_ID_OR_FOLDER ...] [--dtype bfloat16] [--tune background|now|off]
-    # or SPECVIZ_TARGET / _ASSISTANT / _DRAFTERS / _DRAFTER (comma-separated) / _DEVICE / _DTYPE / _TUNE;
+                  [--methods ar,pld,eagle2]
+    # or SPECVIZ_TARGET / _ASSISTANT / _DRAFTERS / _DRAFTER / _METHODS (comma-separated) / _DEVICE / _DTYPE / _TUNE;
     # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT
 
 The target and every drafter load once, in ``main`` (never in gr.State), into one ``AppState``; the
@@ -38,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tune", default=env("SPECVIZ_TUNE", "background"), choices=("background", "now", "off"),
                    help="each method's budget for this machine: measured while the page serves (default), "
                         "before it serves, or not at all (untuned defaults)")
+    p.add_argument("--methods", type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
+                   default=env("SPECVIZ_METHODS", ""),
+                   help="comma-separated methods to load, e.g. ar,pld,eagle2 (default: all); the others are "
+                        "listed as unavailable and neither built nor tuned, so the page starts and tunes sooner")
     return p.parse_known_args(argv)[0]
 
 
@@ -79,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
                 page.stage("converting the embedded GGUF to safetensors (once per machine)", expected_s=25)
                 embedded_folder()
             state = load_state(args.target, args.dtype, args.device, args.assistant, warm_up, tune=args.tune,
-                               drafters=args.drafters, stage=page.stage, checkpoints=checkpoint_sources(args.drafter))
+                               drafters=args.drafters, stage=page.stage, checkpoints=checkpoint_sources(args.drafter),
+                               methods=args.methods)
         except SpecvizError as error:
             sys.exit(f"specviz: {error}")
         page.stage("laying out the page")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import ssl
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -107,12 +108,17 @@ def _judge(event: str, data: str) -> tuple[str, str]:
     return ("message", message) if message.strip() else ("silent", data)
 
 
+# One TLS context for every call: httpx builds a new one per client by default (it reads the CA bundle, about
+# 60 ms), which would make the callers, not the app, the bottleneck of a burst.
+_TLS = ssl.create_default_context()
+
+
 def call(base: str, case: Case, timeout: float = 120) -> Outcome:
-    """Send ``case`` and read its event stream to the end (``base``: the app's URL)."""
+    """Send ``case`` on a connection of its own and read its event stream to the end (``base``: the app's URL)."""
     start = time.perf_counter()
     url = f"{base.rstrip('/')}/gradio_api/call/{case.api}"
     try:
-        with httpx.Client(timeout=timeout) as http:
+        with httpx.Client(timeout=timeout, verify=_TLS) as http:
             posted = http.post(url, content=case.body.encode("utf-8", "surrogatepass"),
                                headers={"Content-Type": "application/json"})
             if posted.status_code != 200:

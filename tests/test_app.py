@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from drafters import METHODS
+
 pytest.importorskip("gradio_client")
 from gradio_client import Client  # noqa: E402
 
@@ -214,3 +216,8 @@ def test_a_target_that_cannot_load_is_a_clear_exit(tmp_path, monkeypatch):
     args = module.parse_args(["--drafter", "eagle3=./no-such-eagle", "--drafter", "medusa"])
     assert "--drafter 'eagle3=./no-such-eagle': no such folder" in module.missing_folders(args)
     assert "write METHOD=HF_ID_OR_FOLDER" in module.missing_folders(module.parse_args(["--drafter", "medusa"]))
+    assert module.parse_args(["--methods", "ar, pld,,eagle2"]).methods == ["ar", "pld", "eagle2"]
+    with pytest.raises(SystemExit) as stopped:  # said before the target loads
+        module.main(["--target", str(tmp_path), "--tune", "off", "--methods", "pld,Eagle2"])
+    assert str(stopped.value) == ("specviz: --methods: unknown method 'Eagle2' (choose from "
+                                  f"{', '.join(METHODS)})")

@@ -52,6 +52,7 @@ def app(tiny_target_dir, tmp_path_factory):
     running = RunningApp(tiny_target_dir, SPECVIZ_TUNE="background", SPECVIZ_CACHE=str(cache),
                          SPECVIZ_DRAFTERS=str(drafters), SPECVIZ_TEST_DISK_FAULT=f"full:{cache}",
                          SPECVIZ_COMPARE_BUDGET_S="0.5",  # a call clamped to 512 tokens stops there, with a note
+                         SPECVIZ_METHODS="ar,pld,skip,eagle2",  # what the cases name; two of them to tune
                          PYTHONPATH=f"{FAULTS}{os.pathsep}{ROOT}")
     yield running
     running.close()

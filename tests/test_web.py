@@ -331,6 +331,22 @@ def test_background_tuning_runs_one_job_at_a_time_between_requests(state, monkey
     assert "0 of 3 done" in tuner.TuneProgress("background", total=3).line()
 
 
+def test_an_app_started_with_a_few_methods_builds_and_tunes_only_those(tiny_target_dir, monkeypatch):
+    from specviz.apps.web import tuner
+
+    measured = []
+    monkeypatch.setattr(tuner, "_measure", lambda state, job: measured.append(job))
+    few = load_state(str(tiny_target_dir), "float32", "cpu", tune="now", methods=["pld", "skip"])
+    assert set(few.drafters) == {"ar", "pld", "skip"}  # ar always: every column's reference
+    assert measured == ["verify cost", "ar", "pld", "skip"]
+    assert set(few.unavailable) == set(METHODS) - {"ar", "pld", "skip"}
+    assert all("left out when this app started (`--methods`)" == why for why in few.unavailable.values())
+    plan = plan_race(few, "Count.", ["pld", "eagle2"], 4, 0.0, 1.0, None)
+    assert list(plan.drafters) == ["pld"] and "eagle2 is unavailable: left out" in " ".join(plan.notes)
+    with pytest.raises(SpecvizError, match="unknown method 'nonsense'"):
+        load_state(str(tiny_target_dir), methods=["pld", "nonsense"])
+
+
 def test_the_seed_makes_a_sampled_race_repeat_and_another_seed_differ(handlers):
     def text(seed):
         out = handlers.compare("Tell me a story.", ["ar", "pld"], 24, 1.0, 1.0, None, "auto", seed)

@@ -32,6 +32,7 @@ class AppState:
     drafters: dict[str, Drafter] = field(default_factory=dict)  # available methods at their defaults
     unavailable: dict[str, str] = field(default_factory=dict)  # method -> why it cannot run here
     configured: dict[str, dict] = field(default_factory=dict)  # per-method settings given at start
+    left_out: tuple[str, ...] = ()  # methods this app was started without (``--methods``): never built or tuned
     engine: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="engine"))
     stops: dict[str, threading.Event] = field(default_factory=dict)  # each session's running race
     built: BuiltDrafters = field(default_factory=BuiltDrafters)  # at non-default settings, bounded in bytes
@@ -79,6 +80,9 @@ class AppState:
     def load_drafters(self) -> None:
         """Every method at its defaults; a method that cannot be built is listed with its reason."""
         for name in METHODS:
+            if name in self.left_out:
+                self.unavailable[name] = "left out when this app started (`--methods`)"
+                continue
             try:
                 self.drafters[name] = build_drafter(name, self.target, **self.defaults(name))
             except SpecvizError as e:
@@ -102,17 +106,32 @@ class AppState:
         return drafter
 
 
+def left_out_methods(methods: list[str] | None) -> tuple[str, ...]:
+    """The methods an app started with ``methods`` goes without; an unknown name is an error, said at once."""
+    if not methods:
+        return ()
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SpecvizError(f"--methods: unknown method {', '.join(map(repr, unknown))} "
+                           f"(choose from {', '.join(METHODS)})")
+    return tuple(m for m in METHODS if m not in methods and m != "ar")
+
+
 def load_state(target: str | None = None, dtype: str = "auto", device: str | None = None,
                assistant: str | None = None, warm_up=None, tune: str = "background",
-               drafters: str | None = None, stage=None, checkpoints: dict[str, str] | None = None) -> AppState:
+               drafters: str | None = None, stage=None, checkpoints: dict[str, str] | None = None,
+               methods: list[str] | None = None) -> AppState:
     """Load the target and every drafter on the engine thread and run ``warm_up(state)`` there; then tune
     each method's budget (``tuning``) as ``tune`` says (``tuner.MODES``): "background" returns at once and
     tunes between requests, "now" before returning, "off" never. ``drafters``: a folder with a checkpoint
     subfolder per trained method, used instead of the shipped ones (drafters trained for another target);
     ``checkpoints``: method -> a folder or model-hub id, specviz's own or published (``--drafter``), which wins.
+    ``methods``: the methods to load (``--methods``; ar always, as every column's reference), else all of them;
+    the others are listed as unavailable, and neither built nor tuned, so the app starts and tunes sooner.
     ``stage(text)`` is told each stage as it starts (the starting page shows them)."""
     if tune not in tuner.MODES:
         raise SpecvizError(f"tune must be one of {', '.join(tuner.MODES)}, got {tune!r}")
+    left_out = left_out_methods(methods)
     stage = stage or (lambda text: None)
     start = time.perf_counter()
     engine = ThreadPoolExecutor(1, thread_name_prefix="engine")
@@ -128,7 +147,7 @@ def load_state(target: str | None = None, dtype: str = "auto", device: str | Non
                 configured[name] = {"checkpoint": str(folder / name)}
     for name, source in (checkpoints or {}).items():  # a published one that cannot load makes the method unavailable
         configured[name] = {"checkpoint": source}
-    state = AppState(model, configured=configured, engine=engine)
+    state = AppState(model, configured=configured, engine=engine, left_out=left_out)
     if tune == "now":  # before the drafters are built, so each is built once, at its tuned budget
         stage("measuring each method's budget on this machine (--tune now)")
         tuner.tune_now(state)

@@ -109,7 +109,7 @@ def tune_now(state) -> None:
     """Tune every method before the drafters are built (``--tune now``: each is then built once, at its budget).
     A method that cannot run here fails to tune too; building it then records why."""
     start_time = time.perf_counter()
-    for job in ["verify cost", *METHODS]:
+    for job in ["verify cost", *(m for m in METHODS if m not in state.left_out)]:
         try:
             tuned = state.on_engine(_measure, state, job)
         except Exception:  # noqa: BLE001 - load_drafters records why a method cannot run
