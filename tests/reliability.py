@@ -24,7 +24,7 @@ HUGE_PROMPT = "x" * 10_000_000  # 10 MB
 BAD = {
     0: ['""', '"   "', '"<script>alert(1)</script>"', '"caf\\udce9"', 'null', '12', '[]', '{}', '"\\u0000"',
         json.dumps("a" * 70_000), json.dumps("🏁" * 5000), json.dumps("../../etc/passwd")],
-    1: ['[]', 'null', '"ar"', json.dumps(["ar"] * 33), '["nonsense"]', '[1]', '[["ar"]]', '["../x"]', '{"ar": 1}',
+    1: ['[]', 'null', '"ar"', json.dumps(["ar"] * 41), '["nonsense"]', '[1]', '[["ar"]]', '["../x"]', '{"ar": 1}',
         '["AR"]', '["eagle2"]', '["ar", "ar"]'],
     2: ['null', '"abc"', 'NaN', 'Infinity', '-Infinity', '-1', '0', "1" * 400, '1e400', '[]', 'true', '0.5'],
     3: ['null', '"hot"', 'NaN', 'Infinity', '-1', "9" * 400, '1e-42', '{}', '2.5'],

@@ -138,7 +138,7 @@ def test_ten_sessions_queue_and_all_finish(app):
     (("Count.", ["ar", "pld"], 6, 0.0, 1.0, {"pld": {"num_tokens": "many"}}), "is not a number"),
     (("Count.", ["ar"], 6, 1e-42, 1.0, None), "below 0.001: used 0"),
     (("Count.", ["ar", "pld"], 6, 0.7, 1.0, None, "greedy"), "would ignore temperature"),
-    (("Count.", ["ar"] * 33, 6), "at most 32 methods"),
+    (("Count.", ["ar"] * 41, 6), "at most 40 methods"),
 ])
 def test_abuse_gets_a_message_and_the_server_goes_on(client, args, expect):
     try:
@@ -217,6 +217,7 @@ def test_a_target_that_cannot_load_is_a_clear_exit(tmp_path, monkeypatch):
     assert "--drafter 'eagle3=./no-such-eagle': no such folder" in module.missing_folders(args)
     assert "write METHOD=HF_ID_OR_FOLDER" in module.missing_folders(module.parse_args(["--drafter", "medusa"]))
     assert module.parse_args(["--methods", "ar, pld,,eagle2"]).methods == ["ar", "pld", "eagle2"]
+    assert module.missing_folders(module.parse_args(["--joint", "./no-joint"])) == "--joint ./no-joint: no such folder"
     with pytest.raises(SystemExit) as stopped:  # said before the target loads
         module.main(["--target", str(tmp_path), "--tune", "off", "--methods", "pld,Eagle2"])
     assert str(stopped.value) == ("specviz: --methods: unknown method 'Eagle2' (choose from "

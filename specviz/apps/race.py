@@ -36,16 +36,18 @@ class Lane:
 
 
 def race(target: TargetModel, drafters: dict[str, Drafter], prompt_ids: list[int], max_new_tokens: int,
-         sampling: Sampling | None = None, padding: VerifyPadding | None = None) -> Iterator[Lane]:
+         sampling: Sampling | None = None, padding: VerifyPadding | None = None,
+         targets: dict[str, TargetModel] | None = None) -> Iterator[Lane]:
     """Advance the lane with the least measured time, one step at a time; yield it after each step.
 
     A method that fails, with any exception, is stopped with its error on the lane; the others go on.
-    ``padding``: the verify sizes this machine pads (``tuning.machine_costs``).
+    ``padding``: the verify sizes this machine pads (``tuning.machine_costs``). ``targets``: the lanes that
+    decode on another target of the same tokenizer and shape (a jointly trained one), by label.
     """
     lanes = [Lane(label, d) for label, d in drafters.items()]
     for lane in lanes:
-        lane._steps = generate(target, lane.drafter, prompt_ids, max_new_tokens, sampling, observers=DISPLAY,
-                               padding=padding)
+        lane._steps = generate((targets or {}).get(lane.label, target), lane.drafter, prompt_ids, max_new_tokens,
+                               sampling, observers=DISPLAY, padding=padding)
     while active := [lane for lane in lanes if not lane.finished]:
         lane = min(active, key=lambda x: x.clock)
         start = time.perf_counter()

@@ -79,7 +79,8 @@ class Handlers:
         self.state.stops[session] = stop
         try:
             yield view.start()
-            lanes = race(state.target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling, state.padding)
+            lanes = race(state.target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling, state.padding,
+                         plan.targets)
             for batch in in_batches(lanes, state.engine, stop, SHOW_EVERY_S):
                 yield view.advance(batch)
             yield view.finish()
@@ -108,7 +109,8 @@ class Handlers:
         ("bfloat16"); by default the server's."""
         state, plan = self.plan(prompt, methods, max_new_tokens, temperature, top_p, settings, rule, seed, precision)
         target = state.target
-        steps = race(target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling, state.padding)
+        steps = race(target, plan.drafters, plan.ids, plan.max_new_tokens, plan.sampling, state.padding,
+                     plan.targets)
 
         def run_all() -> dict:  # the whole race in one engine call, within the budget
             lanes, deadline = {}, time.perf_counter() + COMPARE_BUDGET_S
@@ -125,9 +127,9 @@ class Handlers:
             tokens = [{"token": t, "text": target.text.decode([t]), "step": r.step,
                        "origin": "accepted draft" if i < r.accepted else "correction" if r.corrected else "bonus"}
                       for r in lane.records for i, t in enumerate(r.tokens)]
-            same = None
-            if "ar" in lanes and plan.sampling.greedy:
-                same = identical(lane.output_ids, lanes["ar"].output_ids)
+            same, reference = None, lanes.get(plan.reference(label))  # AR on the lane's own target
+            if reference is not None and plan.sampling.greedy:
+                same = identical(lane.output_ids, reference.output_ids)
             result["methods"][label] = {"text": target.text.decode(lane.output_ids), "tokens": tokens,
                                         "error": lane.error, "identical_to_ar": same,
                                         "budget": _budget(plan, label),

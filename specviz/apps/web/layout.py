@@ -17,6 +17,7 @@ from ..questions import load_questions
 from . import views
 from .body_limit import BodyLimit, max_request_bytes
 from .handlers import Handlers
+from .joint import TAG as JOINT
 from .plan import MAX_NEW_TOKENS, MAX_SEED, column_id, setting_specs
 from .space import GPU
 from .state import AppState
@@ -56,6 +57,12 @@ def build_demo(state: AppState) -> gr.Blocks:
     handlers = Handlers(state, specs)
     target = state.target
     picked = [m for m in DEFAULT_METHODS if m in state.drafters]
+    joint = ""
+    if state.joint:  # the comparison it was loaded for: each target's AR, and its method on each
+        m = state.joint.method
+        picked = [x for x in ("ar", m) if x in state.drafters] + [f"ar ({JOINT})", f"{m} ({JOINT})"]
+        joint = (f" Beside it, the target adapted by joint training with `{m}` ({state.joint.folder.name}): "
+                 f"columns tagged ({JOINT}) run on it.")
     private = dict(api_visibility="private")
     with gr.Blocks(title="specviz") as demo:
         dtype = str(target.dtype).replace("torch.", "")
@@ -65,7 +72,7 @@ def build_demo(state: AppState) -> gr.Blocks:
         gr.Markdown(f"# specviz: speculative decoding, side by side\nTarget **{name}** "
                     f"({target.num_parameters / 1e6:.0f}M parameters) on {target.device} in {dtype} ({exact}; "
                     "the Precision switch changes it), "
-                    f"loaded with {len(state.drafters)} methods in {state.cold_start_s:.1f} s. " + render.LEGEND)
+                    f"loaded with {len(state.drafters)} methods in {state.cold_start_s:.1f} s.{joint} " + render.LEGEND)
         precisions = handlers.precisions
         tuning_line = gr.Markdown(precisions.line(), elem_id="tuning")
         timer = gr.Timer(2, active=not precisions.finished)  # stops itself once tuning has ended

@@ -11,13 +11,16 @@ from dataclasses import dataclass, field, fields
 from drafters import METHODS
 from specviz.core.errors import SettingsError, SpecvizError
 from specviz.core.protocol import Drafter
+from specviz.core.target import TargetModel
 from specviz.core.verify import MIN_TEMPERATURE, RULES, Sampling
 
 from ..methods import split_label
+from .joint import TAG as JOINT
+from .joint import joint_settings
 from .state import AppState
 
 MAX_NEW_TOKENS = 512
-MAX_METHODS = 32  # every column the page has (each method, and copies at the paper setting), with room
+MAX_METHODS = 40  # every column the page has (each method, copies at the paper setting and on a joint target)
 SLIDER_MAX = 64  # the highest value a settings slider offers
 MAX_SEED = 2**31 - 1
 CHARS_PER_TOKEN = 8  # a prompt longer than this many characters per context token cannot fit (English is ~4)
@@ -29,8 +32,10 @@ def column_id(label: str) -> str:
 
 
 def column_labels(state: AppState) -> list[str]:
-    """The Race tab's columns: every method, then each available method with a paper setting once more at it."""
-    return list(METHODS) + [f"{m} (paper)" for m in state.drafters if METHODS[m][1].PAPER]
+    """The Race tab's columns: every method, then each available method with a paper setting once more at it,
+    then each method on the joint target (``--joint``)."""
+    joint = [f"{m} ({JOINT})" for m in state.joint.state.drafters] if state.joint else []
+    return list(METHODS) + [f"{m} (paper)" for m in state.drafters if METHODS[m][1].PAPER] + joint
 
 
 def clamp(label: str, value, low, high, default, notes: list[str], cast=int):
@@ -58,6 +63,11 @@ class Plan:
     expected: dict[str, float] = field(default_factory=dict)  # expected speedup, for methods at their tuned budget
     untuned: set[str] = field(default_factory=set)  # methods at defaults whose budget is not yet tuned here
     ar_tok_s: float | None = None  # AR's speed here when the machine was idle (the tuner's), if measured
+    targets: dict[str, TargetModel] = field(default_factory=dict)  # labels on another target: the joint one
+
+    def reference(self, label: str) -> str:
+        """The AR column ``label`` is compared with: its own target's."""
+        return f"ar ({JOINT})" if label in self.targets else "ar"
 
 
 def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature, top_p,
@@ -89,7 +99,11 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
             continue
         if name not in METHODS:
             notes.append(f"{label}: unknown method (choose from {', '.join(METHODS)})")
-        elif name in state.unavailable:
+        elif tag == JOINT and state.joint is None:
+            notes.append(f"{label}: no jointly trained target here (start the app with --joint FOLDER)")
+        elif tag == JOINT and name in state.joint.state.unavailable:
+            notes.append(f"{label} is unavailable on the joint target: {state.joint.state.unavailable[name]}")
+        elif tag != JOINT and name in state.unavailable:
             notes.append(f"{label} is unavailable: {state.unavailable[name]}")
         else:
             labels[label] = (name, tag)
@@ -105,7 +119,7 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
     if room < 1:
         raise SettingsError(f"The prompt has {len(ids)} tokens; the target's context is {state.target.max_length}.")
     max_new_tokens = clamp("max new tokens", max_new_tokens, 1, min(MAX_NEW_TOKENS, room), 128, notes)
-    chosen = {}
+    chosen, targets = {}, {}
     for label, (name, tag) in labels.items():
         limits = state.limits(name)
         given = (settings or {}).get(label) or {}
@@ -115,11 +129,14 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
         for k in [k for k in given if k not in limits]:  # paths, model ids, dtypes: fixed when the server starts
             notes.append(f"{label} {k}: not a setting this page takes (it takes {', '.join(limits) or 'none'}); "
                          "ignored")
-        start = state.preset(name, tag)
+        here = state.joint.state if tag == JOINT else state
+        start = joint_settings(state, state.joint, name) if tag == JOINT else state.preset(name, tag)
         clamped = {k: clamp(f"{label} {k}", v, *limits[k], start.get(k, limits[k][0]), notes)
                    for k, v in given.items() if k in limits}
         try:
-            chosen[label] = state.drafter(name, {**start, **clamped})
+            chosen[label] = here.drafter(name, {**start, **clamped})
+            if here is not state:
+                targets[label] = here.target
         except SpecvizError as e:
             notes.append(f"{label}: {e}")
     if not chosen:
@@ -128,12 +145,13 @@ def plan_race(state: AppState, prompt: str, methods, max_new_tokens, temperature
     expected = {label: state.tuned[name].expected_speedup for label, name in at_budget.items()
                 if name in state.tuned and state.tuned[name].settings}
     untuned = {label for label, name in at_budget.items() if state.untuned(name)}
+    untuned |= {label for label in targets if state.untuned(labels[label][0])}  # a joint column takes the base budget
     seed = clamp("seed", seed, 0, MAX_SEED, 0, notes)  # a sampled race is the same race again at the same seed
     sampling = Sampling(temperature=temperature, top_p=top_p, rule=rule, seed=seed)  # greedy rule + T > 0: refused
     if not sampling.lossless:
         notes.append(f"the {sampling.resolved_rule} acceptance rule is lossy: outputs need not follow the target's "
                      "distribution")
-    return Plan(ids, chosen, sampling, max_new_tokens, notes, expected, untuned, state.ar_tok_s)
+    return Plan(ids, chosen, sampling, max_new_tokens, notes, expected, untuned, state.ar_tok_s, targets)
 
 
 @dataclass

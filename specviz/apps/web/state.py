@@ -41,6 +41,7 @@ class AppState:
     ar_tok_s: float | None = None  # AR's speed here as the tuner measured it on an idle engine
     cold_start_s: float = 0.0
     tuning: TuneProgress = field(default_factory=TuneProgress)  # the budgets' progress (``tuner``)
+    joint: JointTarget | None = None  # a jointly trained target raced beside this one (``web.joint``)
 
     def on_engine(self, fn, *args, **kwargs):
         return self.engine.submit(fn, *args, **kwargs).result()
@@ -104,6 +105,15 @@ class AppState:
             shared = {p.untyped_storage().data_ptr() for p in self.target.model.parameters()}
             self.built.put(key, drafter, own_bytes(drafter, shared))
         return drafter
+
+
+@dataclass
+class JointTarget:
+    """A joint checkpoint's adapted target beside the server's (``web.joint`` loads it)."""
+
+    folder: Path  # the joint checkpoint
+    method: str  # the method its drafter is for
+    state: AppState  # the adapted target, its joint drafter and the training-free methods, untuned
 
 
 def left_out_methods(methods: list[str] | None) -> tuple[str, ...]:

@@ -58,7 +58,7 @@ class RaceView:
         self.plotted = time.perf_counter()
 
     def column(self, label: str) -> str:
-        lane, ar = self.lanes.get(label), self.lanes.get("ar")
+        lane, ar = self.lanes.get(label), self.lanes.get(self.plan.reference(label))  # AR on its own target
         records = lane.records if lane else []
         clock = lane.clock if lane else 0.0
         m = summarize(records, clock)
@@ -66,20 +66,24 @@ class RaceView:
         bits = [f'<b title="tokens per target pass (τ): load on the machine does not change it">τ {m.tau:.2f}</b>',
                 f"{m.new_tokens} / {self.plan.max_new_tokens} tokens"]
         expected = self.plan.expected.get(label)
-        if ar is not None and label != "ar" and ar.clock > 0 and ar.records:
+        if ar is not None and ar is not lane and ar.clock > 0 and ar.records:
             bits.append(f"{speedup(m.new_tokens, clock, len(ar.output_ids), ar.clock):.2f}× AR"
                         + ("" if expected is None else f" (expected {expected:.2f}×)"))
         bits.append(f"{m.tokens_per_s:.1f} tok/s")
         done = lane is not None and lane.finished
         if label in self.plan.untuned:
             bits.append('<span title="this machine\'s budget for it is not measured yet">untuned budget</span>')
+        reference = self.plan.reference(label)
+        badge = (self.adapted_badge(lane, self.lanes.get("ar")) if reference == label != "ar" else
+                 self.badge(lane, ar, "AR" if reference == "ar" else reference))
         head = (f'<div class="sv-head" data-done="{int(done)}" style="border-left: 5px solid '
                 f'{render.method_colour(label)}; padding-left: 6px"><b>{label}</b> · {" · ".join(bits)}'
-                f'{self.badge(lane, ar)}{" · done" if done else ""}</div>')
+                f'{badge}{" · done" if done else ""}</div>')
         error = f'<p class="sv-error">stopped: {render.escape(lane.error)}</p>' if lane and lane.error else ""
         return head + '<div class="sv-tokens">' + "".join(self.spans[label]) + "</div>" + error
 
-    def badge(self, lane: Lane | None, ar: Lane | None) -> str:
+    def badge(self, lane: Lane | None, ar: Lane | None, name: str = "AR") -> str:
+        """``lane`` against ``ar``, the AR on its own target (called ``name``)."""
         if lane is None or ar is None or lane is ar:
             return ""
         if not self.plan.sampling.lossless:
@@ -93,12 +97,24 @@ class RaceView:
         d = divergence(lane.output_ids[:n], ar.output_ids[:n] if not final else ar.output_ids,
                        token_margins(ar.records), self.tolerance)
         if d.kind == "identical":
-            return f' · <span class="sv-same">✅ identical to AR{"" if final else " so far"}</span>'
+            return f' · <span class="sv-same">✅ identical to {name}{"" if final else " so far"}</span>'
         if d.kind == "near-tie":
             return (f' · <span class="sv-tie" title="{render.escape(d.describe())}">≈ identical up to floating point'
                     f" (near-tie at token {d.at + 1})</span>")
         return (f' · <span class="sv-differs" title="{render.escape(d.describe())}">'
-                f"❌ differs from AR at token {d.at + 1}</span>")
+                f"❌ differs from {name} at token {d.at + 1}</span>")
+
+    def adapted_badge(self, lane: Lane | None, base: Lane | None) -> str:
+        """What joint training did to the target's own greedy text: where it first parts from the base's."""
+        if lane is None or base is None or not self.plan.sampling.greedy:
+            return ""
+        mine, theirs = lane.output_ids, base.output_ids
+        at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        if at is None:
+            return (' · <span title="the LoRA moved the logits, not this greedy text">same text as the base target'
+                    f'{"" if lane.finished and base.finished else " so far"}</span>')
+        return (' · <span title="the jointly trained LoRA changed what the target itself answers">'
+                f"adapted: parts from the base target's text at token {at + 1}</span>")
 
     def start(self) -> tuple:
         self.html.update({m: self.column(m) for m in self.plan.drafters})
@@ -114,7 +130,8 @@ class RaceView:
             spans = self.spans[lane.label]
             spans[len(spans):] = [render.step_html(r, self.decode, self.show_rejected)
                                   for r in lane.records[len(spans):]]
-            moved |= {lane.label} | (set(self.lanes) if lane.label == "ar" else set())
+            reference = self.plan.reference(lane.label) == lane.label  # an AR: the others' speedups move with it
+            moved |= {lane.label} | (set(self.lanes) if reference else set())
         self.html.update({m: self.column(m) for m in moved})
         now = time.perf_counter()
         figures = [gr.skip()] * 3
