@@ -15,7 +15,7 @@ from specviz.apps import teaching
 from specviz.apps.web import space
 from specviz.apps.web.handlers import Handlers
 from specviz.apps.web.layout import build_demo
-from specviz.apps.web.plan import SettingSpec, plan_race, setting_specs, slider_settings
+from specviz.apps.web.plan import SettingSpec, column_labels, plan_race, setting_specs, slider_settings
 from specviz.apps.web.state import AppState, load_state
 from specviz.apps.web.views import RaceView, learn_text, next_step, tree_choices, warm_up
 from specviz.core.errors import SettingsError, SpecvizError
@@ -341,6 +341,8 @@ def test_an_app_started_with_a_few_methods_builds_and_tunes_only_those(tiny_targ
     assert measured == ["verify cost", "ar", "pld", "skip"]
     assert set(few.unavailable) == set(METHODS) - {"ar", "pld", "skip"}
     assert all("left out when this app started (`--methods`)" == why for why in few.unavailable.values())
+    assert few.cannot_run == {}  # not listed as unavailable on the page, and no column of their own
+    assert [c for c in column_labels(few) if "(" not in c] == [m for m in METHODS if m in ("ar", "pld", "skip")]
     plan = plan_race(few, "Count.", ["pld", "eagle2"], 4, 0.0, 1.0, None)
     assert list(plan.drafters) == ["pld"] and "eagle2 is unavailable: left out" in " ".join(plan.notes)
     with pytest.raises(SpecvizError, match="unknown method 'nonsense'"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from types import SimpleNamespace
 
 import pytest
@@ -78,6 +78,13 @@ def test_the_joint_columns_decode_on_the_adapted_target_each_exact_against_its_a
     assert runs["semi-attn (joint)"]["identical_to_ar"] and runs["pld (joint)"]["identical_to_ar"]
     assert runs["semi-attn (joint)"]["text"] == runs["ar (joint)"]["text"]
     assert runs["semi-attn"]["identical_to_ar"] and runs["semi-attn"]["text"] == runs["ar"]["text"]
+
+
+def test_the_learn_tab_explains_the_joint_columns_only_where_there_are_some(state):
+    from specviz.apps.web.views import learn_text
+
+    assert "The (joint) columns" in learn_text(state, notes=False)
+    assert "The (joint) columns" not in learn_text(replace(state, joint=None), notes=False)
 
 
 def test_the_race_tab_badges_each_joint_column_against_its_own_ar(state):

@@ -94,6 +94,17 @@ class Note:
     look: str  # what its plots should show
 
 
+JOINT = (
+    "### The (joint) columns: a target trained with its drafter\n"
+    "Semi-autoregressive drafting's joint training puts a small LoRA on the target and trains it together with "
+    "the drafter, so the target's own features become easier to draft from. The target is then another model: "
+    "\"ar (joint)\" shows its own text, and its badge says where that text parts from the base target's (what "
+    "the training cost in answers). \"semi-attn (joint)\" drafts for it at the same budget as the base column, "
+    "so the difference in τ between the two columns is the joint training's alone; it is lossless against "
+    "\"ar (joint)\", not against the base target."
+)
+
+
 BATCHING = (
     "### Why the gain shrinks as the batch grows\n"
     "At batch size 1 a forward reads every weight once to make one token, and verifying eight tokens reads them "

@@ -82,9 +82,9 @@ def build_demo(state: AppState) -> gr.Blocks:
 
         timer.tick(status, None, [tuning_line, timer], queue=False, **private)
         demo.load(status, None, [tuning_line, timer], queue=False, **private)
-        if state.unavailable:
-            with gr.Accordion(f"Unavailable here: {', '.join(state.unavailable)}", open=False):
-                gr.Markdown("\n".join(f"- **{k}**: {v}" for k, v in state.unavailable.items()), elem_id="unavailable")
+        if state.cannot_run:
+            with gr.Accordion(f"Unavailable here: {', '.join(state.cannot_run)}", open=False):
+                gr.Markdown("\n".join(f"- **{k}**: {v}" for k, v in state.cannot_run.items()), elem_id="unavailable")
         with gr.Tab("Race"):
             with gr.Row():
                 prompt = gr.Textbox(label="Prompt", lines=4, scale=3)
@@ -179,7 +179,8 @@ def build_demo(state: AppState) -> gr.Blocks:
                 bench_subset = gr.Radio(["first N", "per category"], value="per category", label="Subset")
                 bench_count = gr.Slider(1, 80, value=1, step=1, label="N")
                 bench_tokens = gr.Slider(16, MAX_NEW_TOKENS, value=128, step=16, label="Max new tokens")
-            bench_methods = gr.Dropdown(list(METHODS), value=picked, multiselect=True, label="Methods")
+            bench_methods = gr.Dropdown([m for m in METHODS if m not in state.left_out], value=picked,
+                                        multiselect=True, label="Methods")
             with gr.Row():
                 bench_btn = gr.Button("Run benchmark", variant="primary")
                 bench_stop = gr.Button("Stop")
@@ -236,8 +237,8 @@ def build_demo(state: AppState) -> gr.Blocks:
                 with gr.Row(equal_height=False):
                     gr.Markdown(views.method_note(state, name), elem_classes="sv-note")
                     gr.Plot(views.method_figure(name), show_label=False, elem_id=f"diagram-{name}")
-            if state.unavailable:
-                gr.Markdown("\n\n".join(f"### {k}\n**Unavailable here:** {v}" for k, v in state.unavailable.items()))
+            if state.cannot_run:
+                gr.Markdown("\n\n".join(f"### {k}\n**Unavailable here:** {v}" for k, v in state.cannot_run.items()))
         # plain typed values, so absurd ones reach the clamps
         gr.api(GPU(handlers.compare), api_name="compare", concurrency_id="engine")
     return demo

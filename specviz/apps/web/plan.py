@@ -35,7 +35,8 @@ def column_labels(state: AppState) -> list[str]:
     """The Race tab's columns: every method, then each available method with a paper setting once more at it,
     then each method on the joint target (``--joint``)."""
     joint = [f"{m} ({JOINT})" for m in state.joint.state.drafters] if state.joint else []
-    return list(METHODS) + [f"{m} (paper)" for m in state.drafters if METHODS[m][1].PAPER] + joint
+    methods = [m for m in METHODS if m not in state.left_out]  # a method left out at start has no column
+    return methods + [f"{m} (paper)" for m in state.drafters if METHODS[m][1].PAPER] + joint
 
 
 def clamp(label: str, value, low, high, default, notes: list[str], cast=int):

@@ -74,6 +74,11 @@ class AppState:
     def limits(self, name: str) -> dict[str, tuple]:
         return METHODS[name][1].limits(self.target)
 
+    @property
+    def cannot_run(self) -> dict[str, str]:
+        """The methods unavailable here for a reason the page explains: not those left out on purpose."""
+        return {k: v for k, v in self.unavailable.items() if k not in self.left_out}
+
     def untuned(self, name: str) -> bool:
         """Whether ``name`` runs at its untuned defaults (tuning is off, still running, or failed for it)."""
         return name != "ar" and name not in self.tuned

@@ -219,9 +219,11 @@ def learn_text(state: AppState, notes: bool = True) -> str:
     parts = [teaching.FOUNDATIONS,
              "Papers: " + " · ".join(f"[{k}]({v})" if v else k for k, v in teaching.PAPERS.items()),
              teaching.READING, teaching.PRECISION, teaching.BUDGETS, teaching.BATCHING]
+    if state.joint:
+        parts.append(teaching.JOINT)
     if notes:
         parts += [method_note(state, name) for name in state.drafters]
-        parts += [f"### {k}\n**Unavailable here:** {v}" for k, v in state.unavailable.items()]
+        parts += [f"### {k}\n**Unavailable here:** {v}" for k, v in state.cannot_run.items()]
     return "\n\n".join(parts)
 
 
