@@ -117,3 +117,13 @@ def test_joint_columns_without_a_joint_target_and_bad_folders_say_why(tiny_targe
     (separate / "card.json").write_text(json.dumps(card))
     with pytest.raises(SpecvizError, match="the adapted target .* is missing"):
         load_joint(plain, separate)
+
+
+def test_the_precision_switch_loads_the_joint_target_in_its_precision_too(state):
+    handlers = Handlers(state, setting_specs(state))
+    out = handlers.compare("Count.", ["ar (joint)", "semi-attn (joint)"], 6, precision="bfloat16")
+    fast = handlers.at("bfloat16")
+    assert fast.joint is not None and fast.joint.state.target.dtype == torch.bfloat16
+    assert fast.joint.state.target.model is not state.joint.state.target.model
+    assert set(out["methods"]) == {"ar (joint)", "semi-attn (joint)"} and out["precision"] == "bfloat16"
+    assert not any("no jointly trained target" in n for n in out["notes"]), out["notes"]

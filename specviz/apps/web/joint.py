@@ -10,8 +10,8 @@ drafter and every method that needs no training. A column tagged "(joint)" runs 
   training alone. It is lossless against the adapted target: its badge compares it with "ar (joint)".
 
 Rules: other trained methods are not offered there (their checkpoints learned the base target's features);
-the adapted target is not tuned, its columns take the base method's budget; it is loaded in the server's
-dtype, and the precision switch's other copy has none.
+the adapted target is not tuned, its columns take the base method's budget; it is loaded in the base
+target's dtype (the precision switch's other copy loads its own).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from specviz.core.errors import SettingsError
 from specviz.core.load import EMBEDDED, fast_dtype, load_target
 
 from . import tuner
+from .joint import load_joint
 from .state import AppState
 from .views import warm_up
 
@@ -65,6 +66,8 @@ class Precisions:
         model = main.on_engine(load_target, spec, dtype, str(main.target.device))
         state = AppState(model, configured=main.configured, engine=main.engine)
         state.on_engine(state.load_drafters)
+        if main.joint:  # the jointly trained target too, in the same precision as the base one
+            state.joint = load_joint(state, main.joint.folder)
         state.on_engine(warm_up, state)
         state.cold_start_s = time.perf_counter() - start
         tuner.log(f"specviz: loaded the target in {dtype} for the precision switch in {state.cold_start_s:.1f} s")
