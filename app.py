@@ -42,8 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "before it serves, or not at all (untuned defaults)")
     p.add_argument("--methods", type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
                    default=env("SPECVIZ_METHODS", ""),
-                   help="comma-separated methods to load, e.g. ar,pld,eagle2 (default: all); the others are "
-                        "listed as unavailable and neither built nor tuned, so the page starts and tunes sooner")
+                   help="comma-separated methods to load, e.g. ar,pld,eagle2 (default: all); the others get no "
+                        "column and are neither built nor tuned, so the page starts and tunes sooner")
     p.add_argument("--joint", default=env("SPECVIZ_JOINT"),
                    help="a checkpoint of joint training (`specviz train --drafter semi-attn --joint`): its "
                         "LoRA-adapted target is loaded beside this one, and columns tagged (joint) race on it")

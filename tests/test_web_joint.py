@@ -65,6 +65,9 @@ def test_the_joint_columns_decode_on_the_adapted_target_each_exact_against_its_a
         assert (joint.target.model(ids).logits - state.target.model(ids).logits).abs().max() > 1e-4
     labels = ["ar", "semi-attn", "ar (joint)", "semi-attn (joint)", "pld (joint)"]
     assert set(labels[2:]) <= set(column_labels(state)) and "eagle2 (joint)" not in column_labels(state)
+    unavailable = plan_race(state, "Hi", ["ar (joint)", "eagle2 (joint)"], 4, 0.0, 1.0, None).notes
+    assert unavailable == ["eagle2 (joint) is unavailable on the joint target: only semi-attn's joint checkpoint "
+                           "runs there (the others learned the base target)"]
     plan = plan_race(state, "Count to ten.", labels, 20, 0.0, 1.0, None)
     assert set(plan.targets) == set(labels[2:]) and all(t is joint.target for t in plan.targets.values())
     joint_settings, base_settings = (asdict(plan.drafters[m].settings) for m in ("semi-attn (joint)", "semi-attn"))

@@ -61,6 +61,8 @@ def load_joint(main: AppState, folder: str | Path) -> JointTarget:
     state = AppState(model, configured={method: {"checkpoint": str(Path(folder).expanduser())}},
                      engine=main.engine, left_out=left_out)
     state.on_engine(state.load_drafters)
+    for m in left_out:
+        state.unavailable[m] = f"only {method}'s joint checkpoint runs there (the others learned the base target)"
     if method in state.unavailable:
         raise SpecvizError(f"--joint {folder}: {method} cannot run on its adapted target ({state.unavailable[method]})")
     return JointTarget(Path(folder), method, state)
