@@ -116,11 +116,17 @@ def token_margins(records: Sequence[StepRecord]) -> list[float]:
     return [m for r in records for m in r.margins]
 
 
+def first_difference(ids: Sequence[int], other: Sequence[int]) -> int | None:
+    """The first position where the two differ within the shorter one's length, else None."""
+    return next((i for i, (a, b) in enumerate(zip(ids, other)) if a != b), None)
+
+
 def divergence(ids: Sequence[int], ar_ids: Sequence[int], ar_margins: Sequence[float], tolerance: float) -> Divergence:
     """Classify a run against AR: identical, a near-tie divergence, or a clear one (see TIE_TOLERANCE)."""
     if list(ids) == list(ar_ids):
         return Divergence("identical")
-    at = next((i for i, (a, b) in enumerate(zip(ids, ar_ids)) if a != b), min(len(ids), len(ar_ids)))
+    at = first_difference(ids, ar_ids)
+    at = min(len(ids), len(ar_ids)) if at is None else at
     gap = ar_margins[at] if at < len(ar_margins) and at < len(ar_ids) else None
     return Divergence("near-tie" if gap is not None and gap <= tolerance else "clear", at, gap)
 

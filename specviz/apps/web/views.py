@@ -12,7 +12,15 @@ from dataclasses import asdict
 import gradio as gr
 
 from drafters import METHODS
-from specviz.core.metrics import TIE_TOLERANCE, divergence, extra_memory_pct, speedup, summarize, token_margins
+from specviz.core.metrics import (
+    TIE_TOLERANCE,
+    divergence,
+    extra_memory_pct,
+    first_difference,
+    speedup,
+    summarize,
+    token_margins,
+)
 
 from .. import render, teaching
 from ..experiment_plot import experiment_figure
@@ -108,8 +116,7 @@ class RaceView:
         """What joint training did to the target's own greedy text: where it first parts from the base's."""
         if lane is None or base is None or not self.plan.sampling.greedy:
             return ""
-        mine, theirs = lane.output_ids, base.output_ids
-        at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        at = first_difference(lane.output_ids, base.output_ids)
         if at is None:
             return (' · <span title="the LoRA moved the logits, not this greedy text">same text as the base target'
                     f'{"" if lane.finished and base.finished else " so far"}</span>')
