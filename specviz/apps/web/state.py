@@ -132,7 +132,7 @@ def left_out_methods(methods: list[str] | None) -> tuple[str, ...]:
     return tuple(m for m in METHODS if m not in methods and m != "ar")
 
 
-def load_state(target: str | None = None, dtype: str = "auto", device: str | None = None,
+def load_state(target: str | None = None, dtype: str = "float32", device: str | None = None,
                assistant: str | None = None, warm_up=None, tune: str = "background",
                drafters: str | None = None, stage=None, checkpoints: dict[str, str] | None = None,
                methods: list[str] | None = None) -> AppState:
@@ -143,7 +143,8 @@ def load_state(target: str | None = None, dtype: str = "auto", device: str | Non
     ``checkpoints``: method -> a folder or model-hub id, specviz's own or published (``--drafter``), which wins.
     ``methods``: the methods to load (``--methods``; ar always, as every column's reference), else all of them;
     the others are listed as unavailable, and neither built nor tuned, so the app starts and tunes sooner.
-    ``stage(text)`` is told each stage as it starts (the starting page shows them)."""
+    ``stage(text)`` is told each stage as it starts (the starting page shows them). ``dtype`` defaults to float32,
+    as the page does: a teaching app shows lossless methods giving the target's own text on any host."""
     if tune not in tuner.MODES:
         raise SpecvizError(f"tune must be one of {', '.join(tuner.MODES)}, got {tune!r}")
     left_out = left_out_methods(methods)
