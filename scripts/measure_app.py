@@ -1,6 +1,6 @@
 """Measure the app on the embedded target (a benchmark, not a test): cold start, first token, UI overhead.
 
-    python3 scripts/measure_app.py [--runs 4] [--max-new-tokens 128]
+    python3 scripts/measure_app.py [--runs 4] [--max-new-tokens 128] [--dtype float32] [--split-cores] [--out FILE]
 
 Starts ``python app.py``, then for each run and method: the CLI's ``generate``, ``/compare`` and a
 streamed ``/race`` through gradio_client, and the page in headless chromium (scripts/browser_check.py),
@@ -24,12 +24,16 @@ import sys
 import time
 import urllib.request
 from contextlib import contextmanager
+from datetime import date
 from pathlib import Path
 
 from gradio_client import Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test harness starts the app
 from app_harness import ROOT, free_port  # noqa: E402
+from specviz.apps.machine import machine_fingerprint  # noqa: E402
+from specviz.apps.web.handlers import SHOW_EVERY_S  # noqa: E402
+from specviz.apps.web.views import PLOT_EVERY_S  # noqa: E402
 
 PROMPT = "Explain in a short paragraph why the sky is blue."
 
@@ -49,10 +53,12 @@ def on_server_cores() -> None:
 
 
 def cli(method: str, n: int) -> float:
-    """The CLI at the settings the app runs with tuning off (``SERVER``'s env): the methods' fixed defaults."""
+    """The CLI at the settings and the precision the app runs with tuning off (``SERVER``'s env): the methods'
+    fixed defaults, in the app's dtype (the CLI's own default, auto, is bf16 on a CPU with AMX or AVX-512 BF16)."""
     spec = method if method == "ar" else f"{method}:preset=fixed"
     out = subprocess.run([sys.executable, "-m", "specviz", "generate", "--method", spec, "--max-new-tokens", str(n),
-                          "--prompt", PROMPT, "--color", "never"], capture_output=True, text=True, cwd=ROOT,
+                          "--prompt", PROMPT, "--color", "never", "--dtype", SERVER["env"]["SPECVIZ_DTYPE"]],
+                         capture_output=True, text=True, cwd=ROOT,
                          env=SERVER["env"], preexec_fn=on_server_cores).stdout
     return float(re.search(r"tokens in [\d.]+ s = ([\d.]+) tok/s", out).group(1))
 
@@ -103,8 +109,12 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="ar,eagle2")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the app's and the CLI's precision (default: float32, the page's own default)")
+    p.add_argument("--out", help="also write the measurements and their medians here (assets/bench/app_vs_cli_*.json)")
     p.add_argument("--split-cores", action="store_true", help="server and CLI on core 0 (1 thread), the rest on core 1")
     args = p.parse_args()
+    SERVER["env"]["SPECVIZ_DTYPE"] = args.dtype
     if args.split_cores:
         SERVER.update(env={**SERVER["env"], "OMP_NUM_THREADS": "1"}, cores={0})
         os.sched_setaffinity(0, {1})  # this script, its client and chromium
@@ -150,14 +160,35 @@ def main() -> None:
             for _ in range(args.runs):
                 for m in args.methods.split(","):
                     note(how="cli beside busy", method=m, tok_s=cli(m, args.max_new_tokens), busy_cores=round(cores, 3))
-    for m in args.methods.split(","):
-        base = statistics.median(r["tok_s"] for r in rows if r["how"] == "cli" and r.get("method") == m)
-        for how in ("cli", "/compare", "/race", "browser") + (() if args.split_cores else ("cli beside busy",)):
-            v = statistics.median(r["tok_s"] for r in rows if r["how"] == how and r.get("method") == m)
-            print(f"{m:8} {how:15} median {v:6.1f} tok/s  {v / base:.2f}x CLI")
+    summary = medians(rows, args.methods.split(","), args.split_cores)
+    for key, v in summary.items():
+        print(f"{key:24} median {v['tok_s']:6.1f} tok/s  {v['x_cli']:.2f}x CLI")
     firsts = sorted(r["first_token_s"] for r in rows if r["how"] == "browser")
     print(f"first token on screen: {firsts[0]:.2f}-{firsts[-1]:.2f} s, "
           f"{sum(f < 1 for f in firsts)} of {len(firsts)} under 1 s")
+    if args.out:  # the layout `python -m specviz report` reads into docs/results.md
+        where = ("server and CLI on core 0 with one torch thread, the script, client and chromium on core 1"
+                 if args.split_cores else "everything on every core")
+        Path(args.out).write_text(json.dumps({
+            "command": "python3 scripts/measure_app.py " + " ".join(sys.argv[1:]), "date": str(date.today()),
+            "machine": f"{machine_fingerprint()}; {where}",
+            "dtype": args.dtype + (" (the app's default)" if args.dtype == "float32" else ""),
+            "settings": ("SPECVIZ_TUNE=off; the CLI at preset=fixed (the same settings); the page redrawn at most "
+                         f"every {SHOW_EVERY_S:g} s, its plots every {PLOT_EVERY_S:g} s"),
+            "max_new_tokens": args.max_new_tokens, "summary": summary,
+            "first_token_on_screen_s": [firsts[0], firsts[-1]], "chromium_cores_median": cores,
+            "measurements": rows}, indent=1) + "\n")
+
+
+def medians(rows: list[dict], methods: list[str], split_cores: bool) -> dict[str, dict]:
+    """"METHOD WAY" -> the median tok/s through that way and its ratio to the CLI's median."""
+    out = {}
+    for m in methods:
+        base = statistics.median(r["tok_s"] for r in rows if r["how"] == "cli" and r.get("method") == m)
+        for how in ("cli", "/compare", "/race", "browser") + (() if split_cores else ("cli beside busy",)):
+            v = statistics.median(r["tok_s"] for r in rows if r["how"] == how and r.get("method") == m)
+            out[f"{m} {how}"] = {"tok_s": round(v, 2), "x_cli": round(v / base, 3)}
+    return out
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import make_llama
@@ -35,3 +36,14 @@ def test_the_tuners_key_tells_targets_dtypes_and_machines_apart(tiny_target, mon
     assert machine.machine_key(half) != key
     monkeypatch.setattr(machine, "machine_description", lambda: "another machine")
     assert machine.machine_key(target) != key
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine is named by its device alone")
+def test_the_bf16_units_are_named_where_the_cpu_has_them(monkeypatch):
+    """bf16 speed turns on AMX or AVX-512 BF16, which torch's capability ("AVX512") does not tell apart."""
+    for flags, named, unnamed in (({"avx2", "amx_bf16", "avx512_bf16"}, "AMX", "BF16"),
+                                  ({"avx2", "avx512_bf16"}, "AVX-512 BF16", "AMX"), ({"avx2"}, None, "AMX")):
+        monkeypatch.setattr(machine, "cpu_flags", lambda flags=flags: flags)
+        fingerprint, description = machine.machine_fingerprint(), machine.machine_description()
+        for text in (fingerprint, description):
+            assert (named is None or f", {named})" in text) and unnamed not in text, text

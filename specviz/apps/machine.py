@@ -26,10 +26,18 @@ from specviz.core.target import TargetModel
 TUNING_FLAGS = frozenset({"amx_bf16", "avx512_bf16", "avx2"})
 
 
+def _capability() -> str:
+    """torch's vector kernels, and the bf16 units beside them (torch names AVX512 alike with and without them,
+    and bf16 speed turns on them)."""
+    flags = cpu_flags()
+    units = ["AMX"] * ("amx_bf16" in flags) + ["AVX-512 BF16"] * ("avx512_bf16" in flags and "amx_bf16" not in flags)
+    return ", ".join([torch.backends.cpu.get_cpu_capability(), *units])
+
+
 def machine_description() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return (f"{platform.machine()} CPU ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, "
+    return (f"{platform.machine()} CPU ({_capability()}), {os.cpu_count()} cores, "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 
@@ -47,7 +55,7 @@ def machine_fingerprint() -> str:
     """What speed depends on, without the thread count (a pinned part and the full run share one machine)."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return f"{_cpu_models()} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores"
+    return f"{_cpu_models()} ({_capability()}), {os.cpu_count()} cores"
 
 
 def machine_key(target: TargetModel) -> str:
