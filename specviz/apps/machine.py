@@ -29,9 +29,9 @@ TUNING_FLAGS = frozenset({"amx_bf16", "avx512_bf16", "avx2"})
 def _capability() -> str:
     """torch's vector kernels, and the bf16 units beside them (torch names AVX512 alike with and without them,
     and bf16 speed turns on them)."""
-    flags = cpu_flags()
-    units = ["AMX"] * ("amx_bf16" in flags) + ["AVX-512 BF16"] * ("avx512_bf16" in flags and "amx_bf16" not in flags)
-    return ", ".join([torch.backends.cpu.get_cpu_capability(), *units])
+    flags, capability = cpu_flags(), torch.backends.cpu.get_cpu_capability()
+    unit = "AMX" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else None
+    return f"{capability}, {unit}" if unit else capability
 
 
 def machine_description() -> str:
