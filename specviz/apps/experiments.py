@@ -7,10 +7,10 @@ drafter as its spec says. Every arm is benched beside AR on the same prompts in 
 (``experiment_run``); the trained arms also report their held-out agreement per depth from training.
 
 Budgets: ``shared`` is the shipped drafters' own (every ShareGPT first turn, 4 epochs, bf16, a GPU's work);
-``small`` is what a 2-core CPU trains within a session (the 1,000 shipped prompts, 2 epochs); ``mini`` (200
-prompts, 1 epoch) is for joint training on a CPU, whose every step runs the target backwards. An experiment's
-arms share one budget, and its results file names it: figures at ``small`` compare arms with each other, not
-with the papers' absolute numbers.
+``small`` is what a 2-core CPU trains within a session (the 1,000 shipped prompts, 2 epochs); ``medium`` (500
+prompts, 2 epochs) and ``mini`` (200 prompts, 1 epoch, a quick end-to-end check) are for joint training on a
+CPU, whose every step runs the target backwards. An experiment's arms share one budget, and its results file
+names it: figures at ``small`` compare arms with each other, not with the papers' absolute numbers.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ class Budget:
 BUDGETS = {b.name: b for b in (
     Budget("shared", "all", "all", 512, 4, "bfloat16", "the shipped drafters' budget (a GPU's work)"),
     Budget("small", "1000", "first", 256, 2, "float32", "1,000 prompts, 2 epochs: what a 2-core CPU trains"),
+    Budget("medium", "500", "first", 256, 2, "float32", "500 prompts, 2 epochs: joint training within a CPU "
+                                                        "session"),
     Budget("mini", "200", "first", 256, 1, "float32", "200 prompts, 1 epoch: joint training (through the target) "
                                                       "on a 2-core CPU"),
 )}
