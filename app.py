@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tune", default=env("SPECVIZ_TUNE", "background"), choices=("background", "now", "off"),
                    help="each method's budget for this machine: measured while the page serves (default), "
                         "before it serves, or not at all (untuned defaults)")
+    p.add_argument("--engine", default=env("SPECVIZ_ENGINE", "eager"), choices=("eager", "compiled", "auto"),
+                   help="the target's forwards: eager (the default), or compiled with torch.compile (CUDA graphs on "
+                        "a GPU), done on a thread while the page serves eager; each column says which path ran")
     p.add_argument("--methods", type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
                    default=env("SPECVIZ_METHODS", ""),
                    help="comma-separated methods to load, e.g. ar,pld,eagle2 (default: all); the others get no "
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                 embedded_folder()
             state = load_state(args.target, args.dtype, args.device, args.assistant, warm_up, tune=args.tune,
                                drafters=args.drafters, stage=page.stage, checkpoints=checkpoint_sources(args.drafter),
-                               methods=args.methods)
+                               methods=args.methods, engine=args.engine)
             if args.joint:
                 page.stage(f"loading the jointly trained target of {args.joint}")
                 state.joint = load_joint(state, args.joint)

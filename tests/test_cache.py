@@ -28,19 +28,15 @@ def random_path(rng: random.Random, tree: DraftTree) -> list[int]:
     return path[::-1]
 
 
-@pytest.mark.parametrize("context,capacity", [(1, 256), (9, 4), (120, 16), (230, 256)])
-def test_commits_keep_exactly_the_accepted_rows(context, capacity, tiny_target, ref_logits):
-    """Rounds of random trees and paths after ``context`` tokens, on a slab that starts at ``capacity`` rows
-    (small ones grow during the decode): every verify's logits equal a cache-free forward over the committed
-    sequence, and the cache's live rows equal those of a fresh prefill over it."""
-    rng = random.Random(context)
-    target = tiny_target(vocab_size=48, seed=context, max_positions=320)
-    cache = target.new_cache(capacity)
-    assert isinstance(cache, SlabCache)
-    seq = [rng.randrange(48) for _ in range(context)]
+def commit_rounds(target, cache, rng: random.Random, context: int, ref_logits, rounds: int = 6) -> list[int]:
+    """Prefill ``context`` random tokens, then ``rounds`` of a random tree verified and a random path of it
+    committed, each verify's logits checked against a cache-free forward over the committed sequence. Returns
+    the committed sequence (the cache holds it)."""
+    vocab = target.vocab_size
+    seq = [rng.randrange(vocab) for _ in range(context)]
     target.prefill(seq, cache)
-    for _ in range(6):
-        tree, root = random_tree(rng, rng.randint(0, 12), 48), rng.randrange(48)
+    for _ in range(rounds):
+        tree, root = random_tree(rng, rng.randint(0, 12), vocab), rng.randrange(vocab)
         past = cache.get_seq_length()
         logits, _ = target.verify(root, tree, cache)
         path = random_path(rng, tree)
@@ -50,6 +46,18 @@ def test_commits_keep_exactly_the_accepted_rows(context, capacity, tiny_target, 
         target.commit(cache, past, [0] + path)
         seq += [root] + tokens
         assert cache.get_seq_length() == len(seq)
+    return seq
+
+
+@pytest.mark.parametrize("context,capacity", [(1, 256), (9, 4), (120, 16), (230, 256)])
+def test_commits_keep_exactly_the_accepted_rows(context, capacity, tiny_target, ref_logits):
+    """Rounds of random trees and paths after ``context`` tokens, on a slab that starts at ``capacity`` rows
+    (small ones grow during the decode): every verify's logits equal a cache-free forward over the committed
+    sequence, and the cache's live rows equal those of a fresh prefill over it."""
+    target = tiny_target(vocab_size=48, seed=context, max_positions=320)
+    cache = target.new_cache(capacity)
+    assert isinstance(cache, SlabCache)
+    seq = commit_rounds(target, cache, random.Random(context), context, ref_logits)
     fresh = DynamicCache(config=target.config)
     target.prefill(seq, fresh)
     for slab, dense in zip(cache.layers, fresh.layers):

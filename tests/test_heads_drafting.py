@@ -71,7 +71,7 @@ def test_width_one_is_a_chain(target, checkpoints):
 def test_semi_ar_calls_the_target_once_per_step(method, target, checkpoints):
     drafter = build_drafter(method, target, checkpoint=str(checkpoints[method]), length=4)
     calls = []
-    hook = target.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    hook = target.model.get_decoder().register_forward_pre_hook(lambda *_: calls.append(1))  # once a forward
     try:
         result = run(target, drafter, [9, 8, 7, 6, 5], 24, stop_on_eos=False)
     finally:

@@ -27,7 +27,7 @@ from specviz.core.timing import now
 from specviz.core.verify import Sampling
 
 from .machine import machine_description
-from .methods import HF_BASELINES, is_baseline, parse_method
+from .methods import HF_BASELINES, is_baseline, parse_method, split_engine
 from .questions import Question
 from .results import BenchResult, DivergenceAt, MethodBudget, MethodRow, MethodSummary, PromptRow, RunSampling
 from .tuning import machine_costs, resolved_budgets
@@ -102,7 +102,7 @@ def method_labels(methods: list[str]) -> list[str]:
     """The labels the bench runs, AR first when not listed (the reference for speedup and identical_to_ar)."""
     labels = [m.strip() for m in methods]
     for label in labels:
-        parse_method(label)  # a wrong spec is refused before anything runs
+        parse_method(split_engine(label)[0])  # a wrong spec is refused before anything runs
     if len(set(labels)) != len(labels):
         raise SettingsError(f"a method is listed twice in {methods}")
     return labels if "ar" in labels else ["ar", *labels]
@@ -139,7 +139,10 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
     extra_params: dict[str, int] = {}
     engine_methods = {}
     for label in labels:
-        name, settings = parse_method(label)
+        spec, engine = split_engine(label)
+        name, settings = parse_method(spec)
+        if is_baseline(name) and engine is not None:
+            raise SettingsError(f"{label}: transformers' generate has no engine to choose")
         if is_baseline(name):
             runners[label] = _hf_runner(target, max_new_tokens, sampling, {**HF_BASELINES[name], **settings})
             extra_params[label] = 0
@@ -150,7 +153,8 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
     # tuned budgets were chosen for this machine's verify costs, padding included: their runs pad as priced
     padding = machine_costs(target).padding if any(budgets[label].tuned for label in engine_methods) else None
     for label, name in engine_methods.items():
-        runners[label], extra_params[label] = _engine_runner(target, name, budgets[label], max_new_tokens, sampling,
+        on = target.eager_view() if split_engine(label)[1] == "eager" else target
+        runners[label], extra_params[label] = _engine_runner(on, name, budgets[label], max_new_tokens, sampling,
                                                              padding)
     runners = {label: runners[label] for label in labels}  # warmed up in the order listed
     prompts = [target.text.encode_chat(q.prompt) for q in questions]
@@ -208,7 +212,8 @@ def run_facts(target: TargetModel, max_new_tokens: int, sampling: Sampling, meth
         linear_kernels=target.kernels,  # hf runs on the default ones: transformers as its users get it
         verify_padding={shape: {str(n): m for n, m in pad.items()}
                         for shape, pad in (padding.as_dict() if padding else {}).items()},
-        cores_used=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+        cores_used=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        engine=str(target.engine))
 
 
 def prompt_row(q: Question, prompt_tokens: int, done: dict[str, PromptRun], tolerance: float | None) -> PromptRow:

@@ -64,4 +64,6 @@ def machine_key(target: TargetModel) -> str:
     cpu = [cpuinfo("model name"), sorted(cpu_flags() & TUNING_FLAGS)] if on_cpu else []
     facts = [machine_description(), *cpu, target.name, str(target.dtype), str(target.device), target.num_parameters,
              target.kernels]
+    if target.engine.path != "eager":  # compiled forwards cost otherwise: their own budgets
+        facts.append(target.engine.path)
     return content_key(facts)

@@ -16,6 +16,18 @@ def parse_method(spec: str) -> tuple[str, dict]:
     return parse_spec(spec, extra=HF_BASELINES)
 
 
+def split_engine(label: str) -> tuple[str, str | None]:
+    """``"ar:engine=eager"`` -> ``("ar", "eager")``: the method on the target's eager path (``TargetModel.eager_view``),
+    a baseline in the same run as the compiled path; ``engine=compiled`` is the path the target is on."""
+    parts = label.strip().split(":")
+    engines = [p.split("=", 1)[1] for p in parts[1:] if p.startswith("engine=")]
+    if not engines:
+        return label.strip(), None
+    if len(engines) > 1 or engines[0] not in ("eager", "compiled"):
+        raise SettingsError(f"{label}: engine is given once, as eager or compiled")
+    return ":".join(p for p in parts if not p.startswith("engine=")), engines[0]
+
+
 def is_baseline(name: str) -> bool:
     """True for transformers' own generate: no drafter, no budget, no step records."""
     return name in HF_BASELINES

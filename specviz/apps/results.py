@@ -195,6 +195,7 @@ class BenchResult:
     verify_padding: dict[str, dict[str, int]] | None = None  # shape -> {size: padded size}
     cores_used: int | None = None
     merged_from: list[str] | None = None
+    engine: str | None = None  # the target's forward path (``TargetModel.engine``); older files: eager
 
     @classmethod
     def from_dict(cls, d: dict) -> BenchResult:
@@ -202,14 +203,14 @@ class BenchResult:
                    d["date"], d["machine"], {label: MethodSummary.from_dict(m) for label, m in d["methods"].items()},
                    [PromptRow.from_dict(p) for p in d["per_prompt"]], bool(d.get("interrupted", False)),
                    d.get("questions"), d.get("linear_kernels"), d.get("verify_padding"), d.get("cores_used"),
-                   d.get("merged_from"))
+                   d.get("merged_from"), d.get("engine"))
 
     def to_dict(self) -> dict:
         return {"target": self.target, "device": self.device, "dtype": self.dtype,
                 "max_new_tokens": self.max_new_tokens, "sampling": self.sampling.to_dict(), "date": self.date,
                 "machine": self.machine,
                 **_some(linear_kernels=self.linear_kernels, verify_padding=self.verify_padding,
-                        cores_used=self.cores_used),
+                        cores_used=self.cores_used, engine=self.engine),
                 "interrupted": self.interrupted,
                 "methods": {label: m.to_dict() for label, m in self.methods.items()},
                 "per_prompt": [p.to_dict() for p in self.per_prompt],
@@ -235,9 +236,12 @@ class BenchResult:
     @property
     def kernels_note(self) -> str:
         """'' on default kernels, else which kernels the engine's linear layers ran on."""
+        engine = f"target forwards {self.engine} (a label's `engine=eager`: the eager path)" \
+            if self.engine and not self.engine.startswith("eager") else ""
         if (self.linear_kernels or "default") == "default":
-            return ""
-        return f"linear layers on {self.linear_kernels} kernels (`hf` on the default ones)"
+            return engine
+        kernels = f"linear layers on {self.linear_kernels} kernels (`hf` on the default ones)"
+        return f"{kernels}; {engine}" if engine else kernels
 
 
 MERGE_KEYS = ("questions", "target", "max_new_tokens", "dtype", "sampling")  # what runs that merge share

@@ -38,7 +38,7 @@ from specviz.core.timing import now
 from specviz.core.verify import Sampling
 
 from .machine import machine_key
-from .methods import is_baseline, parse_method
+from .methods import is_baseline, parse_method, split_engine
 from .profile import profile
 from .results import MethodBudget
 
@@ -296,10 +296,12 @@ def resolved_budgets(target: TargetModel, methods: list[str]) -> dict[str, Metho
     from the cache when tuned before). A run log keeps them, so a resumed run runs every method as its first
     prompts did even when the cache was lost and a new tuning would choose otherwise."""
     budgets = {}
-    for label, (name, settings) in ((m.strip(), parse_method(m)) for m in methods):
+    for label in (m.strip() for m in methods):
+        spec, engine = split_engine(label)  # "engine=eager": the method on the eager path, at that path's budget
+        name, settings = parse_method(spec)
         if is_baseline(name):
             continue
-        settings, tuned = resolve(target, name, settings)
+        settings, tuned = resolve(target.eager_view() if engine == "eager" else target, name, settings)
         budgets[label] = MethodBudget(settings) if tuned is None else MethodBudget(
             settings, True, tuned.expected_tau, tuned.expected_speedup, tuned.expected_ms_per_token())
     return budgets

@@ -24,6 +24,7 @@ gets transformers' own ``DynamicCache`` (``for_model``), and a tree commit there
 from __future__ import annotations
 
 import torch
+import torch._dynamo
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
@@ -107,6 +108,17 @@ class SlabCache(Cache):
 
     def __init__(self, num_layers: int, capacity: int = 256):
         super().__init__(layers=[SlabLayer(capacity) for _ in range(num_layers)])
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` more rows in every layer now, so a compiled forward never grows a buffer inside its
+        graph (a growth there is a new graph: ``core.capture``), and the buffers' length marked as varying, so
+        that caches of every capacity share one graph."""
+        for layer in self.layers:
+            if layer.is_initialized and layer.length + rows > layer.capacity:
+                layer._grow(layer.length + rows)
+            if layer.is_initialized:
+                torch._dynamo.maybe_mark_dynamic(layer._keys, 2)
+                torch._dynamo.maybe_mark_dynamic(layer._values, 2)
 
     def keep(self, past: int, rows: list[int] | torch.Tensor) -> None:
         """Keep verify rows ``rows`` (indices after ``past``, in order of the sequence) as the rows after ``past``."""

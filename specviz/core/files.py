@@ -52,3 +52,8 @@ def content_key(value, length: int = 12) -> str:
     else:
         raw = json.dumps(value, sort_keys=True, default=str).encode()
     return hashlib.sha1(raw).hexdigest()[:length]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECVIZ_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specviz"
+    return Path(root)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import SpecvizError
+from .files import cache_dir
 from .packing import pack_linears
 from .target import TargetModel, final_norm
 
@@ -31,11 +32,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class LoadError(SpecvizError):
     """A model that cannot be loaded, with the reason in words."""
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("SPECVIZ_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specviz"
-    return Path(root)
 
 
 def embedded_gguf() -> Path:

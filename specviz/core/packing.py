@@ -25,8 +25,10 @@ _ATTR = "_specviz_packed"
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, on ``packed`` (``pack(weight)``) where given, autograd and autocast are off and dtypes agree."""
-    if packed is None or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) or x.dtype != packed.dtype:
+    """``F.linear``, on ``packed`` (``pack(weight)``) where given, autograd and autocast are off and dtypes agree.
+    Under ``torch.compile`` the plain op: inductor's freezing packs the weight itself (``core.capture``)."""
+    if (packed is None or torch.compiler.is_compiling() or torch.is_grad_enabled()
+            or torch.is_autocast_enabled(x.device.type) or x.dtype != packed.dtype):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

@@ -12,13 +12,16 @@ verify padding a machine prefers is measured by the caller and passed to ``verif
 
 **Features** are the target's final-norm output at each position: the hidden state its LM head
 reads, EAGLE's "feature". The engine hands drafters exactly this (``Commit.features``) and the
-training pipeline stores exactly this; no drafter applies the norm again. They are captured by a hook
-that lives for one forward only. A drafter that reads more layers (EAGLE-3) asks for them with
+training pipeline stores exactly this; no drafter applies the norm again. The model is called as its decoder,
+then its head (``core.capture.decoder_then_head``), so they are the decoder's last hidden state; a model whose
+logits are more than its head's output (soft-capping) is called whole and a hook that lives for one forward only
+catches them. A drafter that reads more layers (EAGLE-3) asks for them with
 ``tap``: their inputs then follow the final-norm output in the same tensor, ``[T, H * (1 + len(taps))]``.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -28,7 +31,8 @@ from transformers import Cache
 
 from .cache import SlabCache
 from .cache import for_model as cache_for_model
-from .errors import SpecvizError
+from .capture import ENGINES, CapturedForward, EngineStatus, capture_unsupported, decoder_then_head, plain_causal_lm
+from .errors import SettingsError, SpecvizError
 from .packing import packed_count
 from .text import ChatText
 from .tree import DraftTree
@@ -90,6 +94,10 @@ class TargetModel:
         self.body_dtype = model.get_input_embeddings().weight.dtype  # the head may be fp32 (``prepare``)
         self.packed_linears = packed_count(model)
         self._norm = final_norm(model)
+        # decoder then head: features without a hook (a hook on a shared module would see every thread's forwards)
+        self._plain = decoder_then_head(model) if plain_causal_lm(model) else None
+        self.captured: CapturedForward | None = None  # use_engine
+        self._engine_note = ""
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -142,31 +150,84 @@ class TargetModel:
         logits, feats = self.forward_rows(ids[None], positions, mask, cache, keep)
         return logits[0], feats[0]
 
+    # -- the engine: eager, or captured forwards (core.capture) -------------------------------
+    def use_engine(self, engine: str = "auto", background: bool = False, then=None) -> EngineStatus:
+        """Run verify forwards ``engine``: "eager" (the model as it is), "compiled" (``core.capture``; this call
+        compiles, or starts compiling on a thread with ``background``, serving eager until ready) or "auto"
+        (compiled where this torch can compile, else eager with the reason). ``then()`` runs once the background
+        compilation has ended, well or not."""
+        if engine not in ENGINES:
+            raise SettingsError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        self.captured = None
+        if engine == "eager":
+            return self.engine
+        reason = capture_unsupported(self.device)
+        if reason:
+            if engine == "compiled":
+                raise SettingsError(f"the compiled engine cannot run here: {reason}")
+            self._engine_note = reason
+            return self.engine
+        self.captured = CapturedForward(self.model, taps=bool(self.taps))
+        if background:
+            self.captured.start(self, then)
+        elif not self.captured.warm(self) and engine == "compiled":
+            raise SettingsError(f"the compiled engine failed: {self.captured.error}")
+        return self.engine
+
+    @property
+    def engine(self) -> EngineStatus:
+        """The path verify forwards take now, and why."""
+        if self.captured is None:
+            return EngineStatus("eager", self._engine_note)
+        return self.captured.status
+
+    def eager_view(self) -> "TargetModel":
+        """This target on the eager path (the same model and weights): a baseline in the same process."""
+        view = copy.copy(self)
+        view.captured, view._engine_note = None, "baseline"
+        return view
+
+    def _captured_for(self, ids: torch.Tensor, cache: Cache, captured: CapturedForward | None):
+        """The compiled forward to use for this call, or None: one sequence on a ``SlabCache`` whose buffers exist
+        (the prefill allocates them; it and batches stay eager, see ``core.capture``)."""
+        captured = captured or (self.captured if self.captured is not None and self.captured.ready else None)
+        if captured is None or ids.shape[0] != 1 or not isinstance(cache, SlabCache) or not cache.is_initialized:
+            return None
+        if self.taps and captured.split:  # compiled before a drafter asked for more layers: eager has them
+            return None
+        return captured
+
     @torch.inference_mode()
     def forward_rows(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Cache,
-                     keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     keep: int = 0, captured: CapturedForward | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over ``ids`` [B, n] at ``positions`` [B, n] after ``cache``, under ``mask`` (4D, additive;
-        None: causal). Returns logits [B, n', V] (n' = ``keep`` last positions, 0: all) and features [B, n, H]."""
-        captured: list[torch.Tensor] = []
+        None: causal). Returns logits [B, n', V] (n' = ``keep`` last positions, 0: all) and features [B, n, H].
+        ``captured``: compile and run this forward on it (``CapturedForward.warm``), ready or not."""
+        args = dict(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
+                    attention_mask=None if mask is None else mask.to(self.device), use_cache=True)
+        run = self._captured_for(ids, cache, captured)
+        if run is not None:  # no hook inside a graph: the last hidden state is the final norm's output
+            cache.reserve(ids.shape[1])
+            logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
+            return logits, self._features(feats, out)
+        if self._plain is not None and not self.taps:
+            return self._plain(keep=keep, **args, **cache_kwarg(self._plain.decoder, cache))
+        args.update(cache_kwarg(self.model, cache), logits_to_keep=keep)
+        captured_norm: list[torch.Tensor] = []
         hook = None if self._norm is None else self._norm.register_forward_hook(
-            lambda _m, _args, output: captured.append(output))
+            lambda _m, _args, output: captured_norm.append(output))
         try:
-            out = self.model(
-                input_ids=ids.to(self.device),
-                position_ids=positions.to(self.device),
-                attention_mask=None if mask is None else mask.to(self.device),
-                **cache_kwarg(self.model, cache),
-                use_cache=True,
-                logits_to_keep=keep,
-                output_hidden_states=bool(self.taps) or hook is None,
-            )
+            out = self.model(**args, output_hidden_states=bool(self.taps) or hook is None)
         finally:
             if hook is not None:
                 hook.remove()
-        feats = captured[-1] if hook is not None else out.hidden_states[-1]  # transformers' last entry is normed
+        # transformers' last hidden state is normed
+        return out.logits, self._features(captured_norm[-1] if hook is not None else out.hidden_states[-1], out)
+
+    def _features(self, feats: torch.Tensor, out) -> torch.Tensor:
         if self.taps:  # hidden_states[i] is the input of layer i (entry 0: the embeddings)
             feats = torch.cat([feats] + [out.hidden_states[i].to(feats.dtype) for i in self.taps], dim=-1)
-        return out.logits, feats
+        return feats
 
     def prefill(self, ids: list[int] | torch.Tensor, cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill ``cache`` (emptied first) with ``ids``. Returns the last position's logits [V] and features [L, H]."""

@@ -74,7 +74,8 @@ class Handlers:
             plan.notes.append(f"{label}: the Race tab has no column for it (the /compare API takes any tag)")
         if not plan.drafters:
             raise gr.Error("Pick at least one of the Race tab's methods. " + "; ".join(plan.notes))
-        view = views.RaceView(plan, state.target.text.decode, bool(show_rejected), dtype_name(state), self.columns)
+        view = views.RaceView(plan, state.target.text.decode, bool(show_rejected), dtype_name(state), self.columns,
+                              state.target)
         session, stop = _session(request), threading.Event()
         self.state.stops[session] = stop
         try:

@@ -135,7 +135,7 @@ def left_out_methods(methods: list[str] | None) -> tuple[str, ...]:
 def load_state(target: str | None = None, dtype: str = "float32", device: str | None = None,
                assistant: str | None = None, warm_up=None, tune: str = "background",
                drafters: str | None = None, stage=None, checkpoints: dict[str, str] | None = None,
-               methods: list[str] | None = None) -> AppState:
+               methods: list[str] | None = None, engine: str = "eager") -> AppState:
     """Load the target and every drafter on the engine thread and run ``warm_up(state)`` there; then tune
     each method's budget (``tuning``) as ``tune`` says (``tuner.MODES``): "background" returns at once and
     tunes between requests, "now" before returning, "off" never. ``drafters``: a folder with a checkpoint
@@ -144,15 +144,17 @@ def load_state(target: str | None = None, dtype: str = "float32", device: str | 
     ``methods``: the methods to load (``--methods``; ar always, as every column's reference), else all of them;
     the others are listed as unavailable, and neither built nor tuned, so the app starts and tunes sooner.
     ``stage(text)`` is told each stage as it starts (the starting page shows them). ``dtype`` defaults to float32,
-    as the page does: a teaching app shows lossless methods giving the target's own text on any host."""
+    as the page does: a teaching app shows lossless methods giving the target's own text on any host. ``engine``
+    (``TargetModel.use_engine``): "compiled" or "auto" compile the target's forwards on a thread while the page
+    serves eager; background tuning then starts when compilation ends, so that it measures the path that runs."""
     if tune not in tuner.MODES:
         raise SpecvizError(f"tune must be one of {', '.join(tuner.MODES)}, got {tune!r}")
     left_out = left_out_methods(methods)
     stage = stage or (lambda text: None)
     start = time.perf_counter()
-    engine = ThreadPoolExecutor(1, thread_name_prefix="engine")
+    executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
     stage(f"loading the target ({target or 'embedded'})")
-    model = engine.submit(load_target, target, dtype, device).result()
+    model = executor.submit(load_target, target, dtype, device).result()
     configured = {"sps": {"assistant": assistant}} if assistant else {}
     if drafters:
         folder = Path(drafters)
@@ -163,7 +165,7 @@ def load_state(target: str | None = None, dtype: str = "float32", device: str | 
                 configured[name] = {"checkpoint": str(folder / name)}
     for name, source in (checkpoints or {}).items():  # a published one that cannot load makes the method unavailable
         configured[name] = {"checkpoint": source}
-    state = AppState(model, configured=configured, engine=engine, left_out=left_out)
+    state = AppState(model, configured=configured, engine=executor, left_out=left_out)
     if tune == "now":  # before the drafters are built, so each is built once, at its tuned budget
         stage("measuring each method's budget on this machine (--tune now)")
         tuner.tune_now(state)
@@ -173,6 +175,10 @@ def load_state(target: str | None = None, dtype: str = "float32", device: str | 
         stage("warming up every method")
         state.on_engine(warm_up, state)
     state.cold_start_s = time.perf_counter() - start
-    if tune == "background":
+    if tune == "background" and engine != "eager":
+        model.use_engine(engine, background=True, then=lambda: tuner.start(state))
+    elif engine != "eager":
+        model.use_engine(engine, background=True)
+    if tune == "background" and model.captured is None:  # eager, or nothing to compile here
         tuner.start(state)
     return state

@@ -56,8 +56,9 @@ class RaceView:
     """Turns race lanes into the Race tab's outputs: the columns that moved are rebuilt, plots every few seconds."""
 
     def __init__(self, plan: Plan, decode, show_rejected: bool, dtype: str = "float32",
-                 columns: list[str] | None = None):
+                 columns: list[str] | None = None, target=None):
         self.plan, self.decode, self.show_rejected = plan, decode, show_rejected
+        self.target = target  # the main target, whose forward path (eager, compiled) each header names
         self.tolerance = TIE_TOLERANCE.get(dtype, TIE_TOLERANCE["float32"])
         self.lanes: dict[str, Lane] = {}
         self.spans: dict[str, list[str]] = {m: [] for m in plan.drafters}
@@ -78,6 +79,10 @@ class RaceView:
             bits.append(f"{speedup(m.new_tokens, clock, len(ar.output_ids), ar.clock):.2f}× AR"
                         + ("" if expected is None else f" (expected {expected:.2f}×)"))
         bits.append(f"{m.tokens_per_s:.1f} tok/s")
+        target = self.plan.targets.get(label, self.target)
+        if target is not None and ((status := target.engine).path != "eager" or status.detail):  # asked to compile
+            bits.append(f'<span class="sv-engine" title="the target\'s forwards: {render.escape(str(status))}">'
+                        f'{status.path}{" (compiling)" if "compiling" in status.detail else ""}</span>')
         done = lane is not None and lane.finished
         if label in self.plan.untuned:
             bits.append('<span title="this machine\'s budget for it is not measured yet">untuned budget</span>')

@@ -1,0 +1,186 @@
+"""Captured target forwards: the target's verify forward compiled once per process (``torch.compile``), so a step
+pays for the model's arithmetic rather than for Python and one kernel launch per operator.
+
+- **CPU**: inductor with freezing (the weights become constants, laid out for oneDNN, as ``core.packing`` does by
+  hand for the eager path), dynamic query length: one graph for a one-row forward (decode) and one for 2+ rows
+  (a chain or a tree), whatever the context length, since the ``SlabCache`` is read as views of its live rows.
+- **CUDA**: inductor's fused kernels, dynamic shapes as on the CPU. Not CUDA graphs yet: a graph is recorded per
+  shape, and attention here reads the cache's live rows, whose number changes every step; CUDA graphs need
+  attention over the whole buffer under a mask (gpt-fast's layout), which is still to build and to measure on
+  a GPU.
+
+Which forwards go through it (``TargetModel.forward_rows`` decides, per call): one sequence on a ``SlabCache``
+whose buffers exist. The prefill (once per decode, of any length), batches and other caches run eager: a graph
+for each would cost more compile time than it saves.
+
+Compiling takes minutes on a small CPU, so it happens in ``warm`` (on a scratch cache, every graph the decode
+will ask for) and the target serves on the eager path until ``ready``; ``start`` runs ``warm`` on a thread, for
+an app whose page must not wait. Inductor's own cache goes under ``~/.cache/specviz/inductor`` unless
+``TORCHINDUCTOR_CACHE_DIR`` says otherwise; it does not keep frozen graphs, so a CPU process compiles anew.
+
+Exactness: a compiled forward is a different program from the eager one (fused, reordered arithmetic), so its
+logits differ from eager's in the last bits. Every method and AR on one target use the same path, so "identical
+to AR" compares like with like; the tests check both paths against AR, and the captured path against the eager
+one on greedy text.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .files import cache_dir
+
+ENGINES = ("eager", "compiled", "auto")  # auto: compiled where torch.compile works here, else eager
+
+
+def capture_unsupported(device: torch.device) -> str:
+    """Why forwards on ``device`` cannot be captured here ("" where they can)."""
+    if device.type == "cpu":
+        from torch._inductor import cpp_builder
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except Exception:  # noqa: BLE001 - no C++ compiler, in whatever form this torch reports it
+            return "inductor needs a C++ compiler on the CPU and none was found"
+        return ""
+    if device.type == "cuda":
+        return ""
+    return f"torch.compile is not set up for {device.type} here"
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """Which path a target's forwards take now, and why: what a column header and a bench table show."""
+
+    path: str  # "eager" | "compiled"
+    detail: str = ""  # e.g. "compiling (eager until ready)", the reason compilation failed, the compile time
+
+    def __str__(self) -> str:
+        return f"{self.path} ({self.detail})" if self.detail else self.path
+
+
+def use_cache_folder() -> None:
+    """Inductor's cache under ``~/.cache/specviz/inductor``: kernels of graphs without frozen weights survive
+    between processes there; a frozen graph (the CPU path) is compiled anew in each process."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
+def plain_causal_lm(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s logits are its output head over its decoder's last hidden state and nothing more (no
+    logit soft-capping or scaling), so the two can be called apart: one graph without hidden-state hooks."""
+    text = model.config.get_text_config()
+    odd = any(getattr(text, name, None) not in (None, 1, 1.0)
+              for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    if odd or not callable(getattr(model, "get_decoder", None)) or model.get_output_embeddings() is None:
+        return False
+    decoder = model.get_decoder()
+    return decoder is not None and decoder is not model
+
+
+def decoder_then_head(model: torch.nn.Module):
+    """The causal LM's forward as decoder, then head (``plain_causal_lm`` models): a function of the decoder's
+    keyword arguments and ``keep`` that returns (logits, the last hidden state, i.e. the features). Its
+    ``decoder`` attribute is the module those keywords are for."""
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+
+    def forward(keep: int = 0, **kwargs):
+        hidden = decoder(**kwargs).last_hidden_state
+        return head(hidden[:, -keep:] if keep else hidden), hidden
+
+    forward.decoder = decoder
+    return forward
+
+
+def _compile(model: torch.nn.Module, taps: bool):
+    """``(logits, features-or-outputs)``: decoder-then-head where the model allows and no taps are asked for (the
+    transformers hooks that collect hidden states break a graph in pieces), else the model's own forward."""
+    use_cache_folder()
+    import torch._dynamo
+
+    # the decode asks for at most four graphs (one row or several, chain or tree mask); head room for a target
+    # whose forward specialises on more
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+    fn = decoder_then_head(model) if plain_causal_lm(model) and not taps else model.forward
+    if next(model.parameters()).device.type == "cuda":
+        return torch.compile(fn, dynamic=True)
+    return torch.compile(fn, dynamic=True, options={"freezing": True})
+
+
+class CapturedForward:
+    """``model.forward`` compiled, and whether it is ready. Call it as the model (keyword arguments)."""
+
+    def __init__(self, model: torch.nn.Module, taps: bool = False):
+        self.split = plain_causal_lm(model) and not taps
+        self.module = model.get_decoder() if self.split else model  # what the keyword arguments are for
+        self._fn = _compile(model, taps)
+        self.ready = False
+        self.error: str | None = None
+        self.compile_s: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, keep: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """``(logits, final-norm features, the model's outputs or None)`` for ``self.module``'s keyword arguments;
+        the outputs (with every hidden state) only where the whole forward was compiled."""
+        if self.split:
+            logits, hidden = self._fn(keep=keep, **kwargs)
+            return logits, hidden, None
+        out = self._fn(**kwargs, logits_to_keep=keep, output_hidden_states=True)
+        return out.logits, out.hidden_states[-1], out
+
+    @property
+    def status(self) -> EngineStatus:
+        if self.ready:
+            return EngineStatus("compiled", f"compiled in {self.compile_s:.0f} s")
+        if self.error is not None:
+            return EngineStatus("eager", f"compilation failed: {self.error}")
+        return EngineStatus("eager", "compiling; eager until ready")
+
+    def warm(self, target, sizes: tuple[int, ...] = (1, 2, 3)) -> bool:
+        """Compile every graph a decode uses (one row, several rows, a tree mask) on a scratch cache, then mark
+        the path ready. Returns whether it is; a failure is kept as ``error`` and the target stays eager."""
+        from .tree import DraftTree  # a tree's mask exactly as verify builds it
+
+        start = time.perf_counter()
+        try:
+            cache = target.new_cache(64)
+            target.prefill(list(range(1, 9)), cache)  # eager: allocates the buffers the graphs write into
+            for n in sizes:
+                target.forward_rows(torch.arange(n)[None] + 1, torch.arange(8, 8 + n)[None], None, cache,
+                                    captured=self)
+                cache.crop(-n)
+            tree = DraftTree(torch.tensor([1, 2, 3]), torch.tensor([0, 0, 1]))  # two children, one grandchild
+            past = cache.get_seq_length()
+            target.forward_rows(tree.input_ids(1)[None], tree.positions(past),
+                                tree.attention_mask(past, target.dtype), cache, captured=self)
+        except Exception as e:  # noqa: BLE001 - any failure means: stay on the eager path, say why
+            self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            return False
+        self.compile_s = time.perf_counter() - start
+        self.ready = True
+        return True
+
+    def start(self, target, then=None) -> threading.Thread:
+        """``warm`` on a daemon thread, then ``then()`` (compiled or not); the target serves eager meanwhile."""
+        def work() -> None:
+            self.warm(target)
+            if then is not None:
+                then()
+
+        if self._thread is None:
+            self._thread = threading.Thread(target=work, name="specviz-compile", daemon=True)
+            self._thread.start()
+        return self._thread
+
+    def thread_alive(self) -> bool:
+        """Whether a background compilation is still running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.ready

@@ -1,0 +1,178 @@
+"""core.capture: the compiled target forward. Greedy output on it equals plain greedy decoding and the eager path's,
+for AR and for drafters that verify chains and trees; commits through it keep exactly the accepted rows; the
+target serves eager while it compiles and switches when ready; batches and unknown engines are handled as said.
+
+One tiny target is compiled once per module (a few seconds per graph on a small CPU)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+import torch
+from test_cache import commit_rounds
+from test_engine import RandomTreeDrafter
+
+from app_harness import tiny_target_folder
+from drafters import build_drafter
+from specviz.apps.cli import main
+from specviz.apps.methods import split_engine
+from specviz.apps.results import BenchResult
+from specviz.core.capture import EngineStatus, plain_causal_lm
+from specviz.core.engine import run
+from specviz.core.errors import SettingsError
+from specviz.core.target import TargetModel
+
+PROMPTS = [[3, 5, 7, 11, 13], [2, 9, 4, 4, 1, 30, 17, 8, 8, 21, 5]]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama):
+    """(compiled, eager): two targets on one tiny model's weights, one compiled now."""
+    compiled = TargetModel(tiny_llama(vocab_size=64, seed=3, max_positions=320))
+    status = compiled.use_engine("compiled")
+    assert status.path == "compiled", status
+    return compiled, compiled.eager_view()
+
+
+def test_the_engine_says_which_path_runs(pair):
+    compiled, eager = pair
+    assert compiled.engine.path == "compiled" and compiled.captured.split
+    assert eager.engine == EngineStatus("eager", "baseline") and eager.captured is None
+    assert compiled.captured.ready and eager.model is compiled.model
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_compiled_ar_is_plain_greedy_and_the_eager_paths(prompt, pair, ref_greedy):
+    compiled, eager = pair
+    expected = ref_greedy(compiled.model, prompt, 40)
+    assert run(compiled, build_drafter("ar", compiled), prompt, 40).output_ids == expected
+    assert run(eager, build_drafter("ar", eager), prompt, 40).output_ids == expected
+
+
+@pytest.mark.parametrize("method", ["pld:num_tokens=4", "lookahead", "skip:layers=1:num_tokens=3"])
+def test_drafters_on_the_compiled_path_equal_ar(method, pair, ref_greedy):
+    compiled, _ = pair
+    name, _, opts = method.partition(":")
+    settings = dict(kv.split("=") for kv in opts.split(":")) if opts else {}
+    drafter = build_drafter(name, compiled, **{k: int(v) for k, v in settings.items()})
+    for prompt in PROMPTS:
+        result = run(compiled, drafter, prompt + prompt, 40)
+        assert result.output_ids == ref_greedy(compiled.model, prompt + prompt, 40)
+        assert any(len(r.tree) for r in result.records[1:])  # drafts went through the several-row graph
+
+
+def test_a_random_tree_drafter_on_the_compiled_path_equals_ar(pair, ref_greedy):
+    """Trees of random shape (tree masks through the compiled graph), one walk spelling the true continuation:
+    AR's text, with deep paths accepted."""
+    compiled, _ = pair
+    prompt = PROMPTS[1]
+    reference = ref_greedy(compiled.model, prompt, 40)
+    drafter = RandomTreeDrafter(prompt, reference, seed=5, vocab=64)
+    result = run(compiled, drafter, prompt, 40, stop_on_eos=False)
+    assert result.output_ids == reference
+    assert len(drafter.shapes) > 5 and sum(r.accepted for r in result.records) > 10
+
+
+@pytest.mark.parametrize("context,capacity", [(3, 4), (60, 256)])
+def test_compiled_commits_keep_exactly_the_accepted_rows(context, capacity, pair, ref_logits):
+    """As test_cache's commit test, on the compiled path: every verify's logits equal a cache-free forward over
+    the committed sequence, through buffer growth (done before the graph, never in it)."""
+    compiled, _ = pair
+    commit_rounds(compiled, compiled.new_cache(capacity), random.Random(context), context, ref_logits)
+
+
+def test_the_target_serves_eager_until_compiled(tiny_llama, ref_greedy):
+    """A background compile: the first forwards run eager (the status says so), the output is exact either way,
+    and once ready the status says compiled."""
+    target = TargetModel(tiny_llama(vocab_size=64, seed=4))
+    status = target.use_engine("auto", background=True)
+    assert status.path == "eager" and "compiling" in status.detail
+    prompt = PROMPTS[0]
+    assert run(target, build_drafter("ar", target), prompt, 20).output_ids == ref_greedy(target.model, prompt, 20)
+    assert target.captured.wait(600) and target.engine.path == "compiled"
+    assert run(target, build_drafter("pld", target), prompt, 20).output_ids == ref_greedy(target.model, prompt, 20)
+
+
+def test_batches_and_prefills_stay_eager(pair):
+    """Only one sequence on a slab cache whose buffers exist takes the compiled path."""
+    compiled, _ = pair
+    fresh = compiled.new_cache(16)
+    ids = torch.tensor([[1, 2, 3]])
+    assert compiled._captured_for(ids, fresh, None) is None  # nothing allocated yet: the prefill
+    compiled.prefill([1, 2, 3], fresh)
+    assert compiled._captured_for(ids, fresh, None) is compiled.captured
+    assert compiled._captured_for(torch.ones(2, 3, dtype=torch.long), fresh, None) is None
+
+
+def test_engine_names_are_checked(tiny_target):
+    with pytest.raises(SettingsError, match="engine must be one of"):
+        tiny_target().use_engine("fast")
+    assert tiny_target().use_engine("eager").path == "eager"
+
+
+def test_soft_capped_logits_keep_the_whole_forward(tiny_llama):
+    """A model whose logits are more than head(hidden) is compiled whole, not as decoder then head."""
+    model = tiny_llama()
+    assert plain_causal_lm(model)
+    model.config.final_logit_softcapping = 30.0
+    assert not plain_causal_lm(model)
+
+
+def test_a_bench_label_names_its_engine():
+    assert split_engine("ar:engine=eager") == ("ar", "eager")
+    assert split_engine("pld:num_tokens=4:engine=eager") == ("pld:num_tokens=4", "eager")
+    assert split_engine("eagle2:depth=3") == ("eagle2:depth=3", None)
+    for bad in ("ar:engine=fast", "ar:engine=eager:engine=eager"):
+        with pytest.raises(SettingsError, match="engine is given once"):
+            split_engine(bad)
+
+
+def test_bench_runs_the_compiled_and_the_eager_path_in_one_run(tmp_path_factory, tmp_path, capsys):
+    """``bench --engine compiled`` with ``ar:engine=eager`` and ``pld:engine=eager`` beside ``ar`` and ``pld``:
+    every output is AR's, and the results file says which path the target took."""
+    folder = str(tiny_target_folder(tmp_path_factory.mktemp("tiny-target")))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"turns": [f"Count to {i}, then back."]}) for i in range(2)))
+    out = tmp_path / "r.json"
+    assert main(["bench", "--target", folder, "--questions", str(questions), "--engine", "compiled", "--dtype",
+                 "float32", "--methods", "ar:engine=eager,pld:engine=eager,pld", "--max-new-tokens", "12",
+                 "--out", str(out)]) == 0
+    result = BenchResult.load(out)
+    assert result.engine.startswith("compiled")
+    assert set(result.methods) == {"ar", "ar:engine=eager", "pld:engine=eager", "pld"}
+    assert all(row.methods[label].identical_to_ar for row in result.per_prompt for label in result.methods)
+    assert main(["bench", "--target", folder, "--questions", str(questions), "--methods", "hf:engine=eager",
+                 "--out", str(tmp_path / "x.json")]) == 2
+    assert "transformers' generate has no engine to choose" in capsys.readouterr().err
+
+
+def test_the_app_compiles_while_it_serves_and_each_header_names_the_path(tiny_target_dir):
+    """``load_state(engine="compiled")`` returns before compilation ends; a race meanwhile is exact and its headers
+    say "eager (compiling)"; afterwards they say "compiled", and background tuning has started (after it)."""
+    from specviz.apps.race import race
+    from specviz.apps.web.plan import plan_race
+    from specviz.apps.web.state import load_state
+    from specviz.apps.web.views import RaceView
+
+    state = load_state(str(tiny_target_dir), "float32", "cpu", tune="background", methods=["ar", "pld"],
+                       engine="compiled")
+    target = state.target
+    plan = plan_race(state, "Count to ten.", ["ar", "pld"], 12, 0, 1, None)
+    view = RaceView(plan, target.text.decode, show_rejected=False, target=target)
+    head = view.column("pld")
+    assert target.captured.thread_alive(), "compiled before the page could serve: nothing was tested"
+    assert "eager (compiling)" in head  # as the page shows it while compilation runs
+    for lane in race(target, plan.drafters, plan.ids, 12):  # a race meanwhile (or after: exact either way)
+        view.lanes[lane.label] = lane
+    assert view.lanes["pld"].output_ids == view.lanes["ar"].output_ids
+    assert target.captured.wait(600), target.captured.error
+    assert ">compiled</span>" in view.column("pld")
+    again = {lane.label: lane for lane in race(target, plan.drafters, plan.ids, 12)}  # each lane's last state
+    assert {k: v.output_ids for k, v in again.items()} == {k: v.output_ids for k, v in view.lanes.items()}
+    deadline = time.time() + 600
+    while state.tuning.mode != "background":  # the tuner starts once compilation has ended
+        assert time.time() < deadline
+        time.sleep(0.2)
