@@ -11,7 +11,8 @@
 #   WHEELS=DIR      wheels to install (--no-deps, into a private folder; torch stays as the machine has it)
 #   GGUF_PARTS=DIR  a folder holding the GGUF's parts (files named part*, found at any depth, joined in name
 #                   order), for when it must travel in pieces; or SPECVIZ_GGUF=FILE, the GGUF whole
-#   STEPS           which steps, in order (default: "install tests profile bench")
+#   STEPS           which steps, in order (default: "install tests profile bench"; "engine" compares the
+#                   compiled target forward with the eager one: profile and a short bench, ENGINE_METHODS)
 #   TESTS           pytest arguments for the CUDA tests (default: tests/test_device.py, whose real-GPU
 #                   tests run only where CUDA is present)
 #   BENCH_S         seconds the bench may run before it is stopped, keeping the prompts it finished (240)
@@ -108,6 +109,20 @@ print(','.join(p.parent.name for p in sorted(Path('assets/drafters').glob('*/car
   return $rc
 }
 
+engine() {  # the compiled path against the eager one in one process: the verify-cost curve and a short bench
+  local slug
+  slug=$(device_slug) || return 1
+  python3 -m specviz profile --device cuda --dtype bfloat16 --engine compiled --repeats 21 \
+    --out "$OUT_DIR/profile_cuda_bf16_compiled_$slug.json" || return 1
+  timeout -s INT -k 30 "${BENCH_S:-240}" python3 -m specviz bench --device cuda --dtype bfloat16 --engine compiled \
+    --questions mt-bench --per-category "${PER_CATEGORY:-1}" --max-new-tokens 256 \
+    --methods "${ENGINE_METHODS:-ar:engine=eager,ar,fspad:engine=eager,fspad,eagle2:engine=eager,eagle2}" \
+    --out "$OUT_DIR/mtbench_engine_cuda_bf16_$slug.json"
+  local rc=$?
+  [ $rc = 124 ] && { say "engine bench stopped after ${BENCH_S:-240} s"; return 0; }
+  return $rc
+}
+
 join_gguf
 for step in ${STEPS:-install tests profile bench}; do
   say "$step"
@@ -117,6 +132,7 @@ for step in ${STEPS:-install tests profile bench}; do
     tests) tests ;;
     profile) profile ;;
     bench) bench ;;
+    engine) engine ;;
     *) echo "unknown step: $step" >&2; false ;;
   esac
   rc=$?
