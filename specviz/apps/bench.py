@@ -137,7 +137,7 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
     budgets = dict(budgets or {})
     runners: dict[str, Runner] = {}
     extra_params: dict[str, int] = {}
-    engine_methods = {}
+    engine_methods, eager_labels = {}, set()
     for label in labels:
         spec, engine = split_engine(label)
         name, settings = parse_method(spec)
@@ -150,10 +150,12 @@ def bench_steps(target: TargetModel, methods: list[str], questions: list[Questio
         if label not in budgets:
             budgets.update(resolved_budgets(target, [label]))
         engine_methods[label] = name
+        if engine == "eager":
+            eager_labels.add(label)
     # tuned budgets were chosen for this machine's verify costs, padding included: their runs pad as priced
     padding = machine_costs(target).padding if any(budgets[label].tuned for label in engine_methods) else None
     for label, name in engine_methods.items():
-        on = target.eager_view() if split_engine(label)[1] == "eager" else target
+        on = target.eager_view() if label in eager_labels else target
         runners[label], extra_params[label] = _engine_runner(on, name, budgets[label], max_new_tokens, sampling,
                                                              padding)
     runners = {label: runners[label] for label in labels}  # warmed up in the order listed

@@ -43,8 +43,14 @@ class SlabLayer(DynamicLayer):
         self.device = key_states.device
         self._keys = key_states.new_empty((*key_states.shape[:2], self.capacity, key_states.shape[-1]))
         self._values = value_states.new_empty((*value_states.shape[:2], self.capacity, value_states.shape[-1]))
+        self._mark_dynamic()
         self.is_initialized = True
         self._view()
+
+    def _mark_dynamic(self) -> None:
+        """The buffers' length varies between caches: a compiled forward (``core.capture``) keeps one graph for all."""
+        for buffer in (self._keys, self._values):
+            torch._dynamo.maybe_mark_dynamic(buffer, 2)
 
     def _view(self) -> None:
         self.keys = self._keys[:, :, : self.length]
@@ -58,6 +64,7 @@ class SlabLayer(DynamicLayer):
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
         self.capacity = capacity
+        self._mark_dynamic()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -111,14 +118,10 @@ class SlabCache(Cache):
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more rows in every layer now, so a compiled forward never grows a buffer inside its
-        graph (a growth there is a new graph: ``core.capture``), and the buffers' length marked as varying, so
-        that caches of every capacity share one graph."""
+        graph (a growth there is a new graph: ``core.capture``)."""
         for layer in self.layers:
             if layer.is_initialized and layer.length + rows > layer.capacity:
                 layer._grow(layer.length + rows)
-            if layer.is_initialized:
-                torch._dynamo.maybe_mark_dynamic(layer._keys, 2)
-                torch._dynamo.maybe_mark_dynamic(layer._values, 2)
 
     def keep(self, past: int, rows: list[int] | torch.Tensor) -> None:
         """Keep verify rows ``rows`` (indices after ``past``, in order of the sequence) as the rows after ``past``."""

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 
 from .files import cache_dir
 
@@ -58,7 +59,8 @@ class EngineStatus:
     """Which path a target's forwards take now, and why: what a column header and a bench table show."""
 
     path: str  # "eager" | "compiled"
-    detail: str = ""  # e.g. "compiling (eager until ready)", the reason compilation failed, the compile time
+    detail: str = ""  # e.g. "compiling; eager until ready", the reason compilation failed, the compile time
+    compiling: bool = False  # eager for now, compiled once a background compilation ends
 
     def __str__(self) -> str:
         return f"{self.path} ({self.detail})" if self.detail else self.path
@@ -96,28 +98,24 @@ def decoder_then_head(model: torch.nn.Module):
     return forward
 
 
-def _compile(model: torch.nn.Module, taps: bool):
-    """``(logits, features-or-outputs)``: decoder-then-head where the model allows and no taps are asked for (the
-    transformers hooks that collect hidden states break a graph in pieces), else the model's own forward."""
+def _compile(fn, device: torch.device):
     use_cache_folder()
-    import torch._dynamo
-
-    # the decode asks for at most four graphs (one row or several, chain or tree mask); head room for a target
-    # whose forward specialises on more
+    # a decode asks for three graphs (one row, a chain, a tree mask), one more where a buffer is filled exactly;
+    # head room for a target whose forward specialises on more
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-    fn = decoder_then_head(model) if plain_causal_lm(model) and not taps else model.forward
-    if next(model.parameters()).device.type == "cuda":
+    if device.type == "cuda":
         return torch.compile(fn, dynamic=True)
     return torch.compile(fn, dynamic=True, options={"freezing": True})
 
 
 class CapturedForward:
-    """``model.forward`` compiled, and whether it is ready. Call it as the model (keyword arguments)."""
+    """A target's forward compiled, and whether it is ready: ``plain`` (``decoder_then_head``, one graph without the
+    hooks transformers uses to collect hidden states) where given, else ``model.forward`` whole."""
 
-    def __init__(self, model: torch.nn.Module, taps: bool = False):
-        self.split = plain_causal_lm(model) and not taps
-        self.module = model.get_decoder() if self.split else model  # what the keyword arguments are for
-        self._fn = _compile(model, taps)
+    def __init__(self, model: torch.nn.Module, plain=None):
+        self.split = plain is not None
+        self.module = plain.decoder if self.split else model  # what the keyword arguments are for
+        self._fn = _compile(plain if self.split else model.forward, next(model.parameters()).device)
         self.ready = False
         self.error: str | None = None
         self.compile_s: float | None = None
@@ -138,9 +136,9 @@ class CapturedForward:
             return EngineStatus("compiled", f"compiled in {self.compile_s:.0f} s")
         if self.error is not None:
             return EngineStatus("eager", f"compilation failed: {self.error}")
-        return EngineStatus("eager", "compiling; eager until ready")
+        return EngineStatus("eager", "compiling; eager until ready", compiling=True)
 
-    def warm(self, target, sizes: tuple[int, ...] = (1, 2, 3)) -> bool:
+    def warm(self, target, sizes: tuple[int, ...] = (1, 2)) -> bool:
         """Compile every graph a decode uses (one row, several rows, a tree mask) on a scratch cache, then mark
         the path ready. Returns whether it is; a failure is kept as ``error`` and the target stays eager."""
         from .tree import DraftTree  # a tree's mask exactly as verify builds it

@@ -167,7 +167,7 @@ class TargetModel:
                 raise SettingsError(f"the compiled engine cannot run here: {reason}")
             self._engine_note = reason
             return self.engine
-        self.captured = CapturedForward(self.model, taps=bool(self.taps))
+        self.captured = CapturedForward(self.model, None if self.taps else self._plain)
         if background:
             self.captured.start(self, then)
         elif not self.captured.warm(self) and engine == "compiled":

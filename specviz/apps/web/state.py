@@ -175,10 +175,9 @@ def load_state(target: str | None = None, dtype: str = "float32", device: str | 
         stage("warming up every method")
         state.on_engine(warm_up, state)
     state.cold_start_s = time.perf_counter() - start
-    if tune == "background" and engine != "eager":
-        model.use_engine(engine, background=True, then=lambda: tuner.start(state))
-    elif engine != "eager":
-        model.use_engine(engine, background=True)
-    if tune == "background" and model.captured is None:  # eager, or nothing to compile here
-        tuner.start(state)
+    then = (lambda: tuner.start(state)) if tune == "background" else None
+    if engine != "eager":
+        model.use_engine(engine, background=True, then=then)
+    if then is not None and model.captured is None:  # eager, or nothing to compile here: tune now
+        then()
     return state

@@ -82,7 +82,7 @@ class RaceView:
         target = self.plan.targets.get(label, self.target)
         if target is not None and ((status := target.engine).path != "eager" or status.detail):  # asked to compile
             bits.append(f'<span class="sv-engine" title="the target\'s forwards: {render.escape(str(status))}">'
-                        f'{status.path}{" (compiling)" if "compiling" in status.detail else ""}</span>')
+                        f'{status.path}{" (compiling)" if status.compiling else ""}</span>')
         done = lane is not None and lane.finished
         if label in self.plan.untuned:
             bits.append('<span title="this machine\'s budget for it is not measured yet">untuned budget</span>')
