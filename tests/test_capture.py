@@ -84,6 +84,27 @@ def test_compiled_commits_keep_exactly_the_accepted_rows(context, capacity, pair
     commit_rounds(compiled, compiled.new_cache(capacity), random.Random(context), context, ref_logits)
 
 
+def test_the_cpu_graph_runs_on_packed_weights(pair):
+    """Inductor froze the weights and packed the linear layers for oneDNN/MKL (not ``aten::mm`` on every call)."""
+    from torch._dynamo.utils import counters
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN: nothing to pack")
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0
+
+
+def test_two_compiled_targets_keep_their_own_weights(tiny_llama, ref_greedy):
+    """Two targets of one class compiled in one process (a base and an adapted one, a second target in the app):
+    each decodes with its own weights, although their forwards share Python code and module guards are off."""
+    targets = [TargetModel(tiny_llama(vocab_size=64, seed=seed)) for seed in (11, 12)]
+    for target in targets:
+        assert target.use_engine("compiled").path == "compiled"
+    prompt = PROMPTS[1]
+    outputs = [run(t, build_drafter("ar", t), prompt, 24).output_ids for t in targets]
+    assert outputs == [ref_greedy(t.model, prompt, 24) for t in targets]
+    assert outputs[0] != outputs[1]
+
+
 def test_the_target_serves_eager_until_compiled(tiny_llama, ref_greedy):
     """A background compile: the first forwards run eager (the status says so), the output is exact either way,
     and once ready the status says compiled."""

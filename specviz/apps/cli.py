@@ -50,9 +50,9 @@ def _kernels_arg(p: argparse.ArgumentParser) -> None:
                    help="on the CPU, run the target's linear layers on PyTorch's default kernels instead of "
                         "packed oneDNN weights (slower; for comparison)")
     p.add_argument("--engine", default="eager", choices=["eager", "compiled", "auto"],
-                   help="the target's verify forwards: eager, or compiled once with torch.compile (CUDA graphs on "
-                        "a GPU; minutes on a small CPU, cached in ~/.cache/specviz/inductor); auto: compiled where "
-                        "this machine can, else eager")
+                   help="the target's verify forwards: eager, or compiled once per process with torch.compile "
+                        "(frozen, packed weights on a CPU, minutes on a small one; inductor's kernels on a GPU); "
+                        "auto: compiled where this machine can, else eager")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from specviz.core.capture import REVISION as CAPTURE_REVISION
 from specviz.core.files import content_key
 from specviz.core.load import cpu_flags, cpuinfo
 from specviz.core.target import TargetModel
@@ -65,5 +66,5 @@ def machine_key(target: TargetModel) -> str:
     facts = [machine_description(), *cpu, target.name, str(target.dtype), str(target.device), target.num_parameters,
              target.kernels]
     if target.engine.path != "eager":  # compiled forwards cost otherwise: their own budgets
-        facts.append(target.engine.path)
+        facts.append(f"{target.engine.path} r{CAPTURE_REVISION}")
     return content_key(facts)

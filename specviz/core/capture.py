@@ -18,6 +18,10 @@ will ask for) and the target serves on the eager path until ``ready``; ``start``
 an app whose page must not wait. Inductor's own cache goes under ``~/.cache/specviz/inductor`` unless
 ``TORCHINDUCTOR_CACHE_DIR`` says otherwise; it does not keep frozen graphs, so a CPU process compiles anew.
 
+Guards: dynamo checks before each call that the graph still applies. Checks on the modules' attributes are
+off (hundreds of them, about a millisecond a forward), which is safe because each ``CapturedForward`` compiles a
+function with a code object of its own, so its graphs, frozen with its model's weights, serve no other model.
+
 Exactness: a compiled forward is a different program from the eager one (fused, reordered arithmetic), so its
 logits differ from eager's in the last bits. Every method and AR on one target use the same path, so "identical
 to AR" compares like with like; the tests check both paths against AR, and the captured path against the eager
@@ -26,17 +30,21 @@ one on greedy text.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
+import types
 from dataclasses import dataclass
 
 import torch
 import torch._dynamo
+import torch._inductor.config as inductor_config
 
 from .files import cache_dir
 
 ENGINES = ("eager", "compiled", "auto")  # auto: compiled where torch.compile works here, else eager
+REVISION = 2  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
 
 
 def capture_unsupported(device: torch.device) -> str:
@@ -98,14 +106,37 @@ def decoder_then_head(model: torch.nn.Module):
     return forward
 
 
+def _own_code(fn):
+    """``fn`` (a function or a bound method) with a code object of its own. Dynamo keeps compiled graphs per code
+    object, and a frozen graph holds one model's weights: two targets in one process must never share one, which
+    they would through ``decoder_then_head``'s closure or a model class's ``forward``."""
+    func, owner = (fn.__func__, fn.__self__) if isinstance(fn, types.MethodType) else (fn, None)
+    code = func.__code__.replace(co_name=f"{func.__code__.co_name}_specviz{next(_CODES)}")
+    own = types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__, func.__closure__)
+    own.__kwdefaults__, own.__dict__ = func.__kwdefaults__, dict(func.__dict__)
+    return own if owner is None else types.MethodType(own, owner)
+
+
+_CODES = itertools.count()
+
+
 def _compile(fn, device: torch.device):
     use_cache_folder()
     # a decode asks for three graphs (one row, a chain, a tree mask), one more where a buffer is filled exactly;
     # head room for a target whose forward specialises on more
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+    # no guards on the modules' attributes: checking every module's hooks, types and flags costs about a millisecond
+    # a forward on a 30-layer model, and a loaded target's modules do not change. Safe because each compiled
+    # function has a code object, so a cache of graphs, of its own (``_own_code``)
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    fn = _own_code(fn)
     if device.type == "cuda":
-        return torch.compile(fn, dynamic=True)
-    return torch.compile(fn, dynamic=True, options={"freezing": True})
+        return torch.compile(fn, dynamic=True, options=options)
+    # freezing must be set in inductor's config itself: passed as ``torch.compile(options=...)`` it is not seen where
+    # inductor decides to freeze, and the weights stay unpacked (``aten::mm`` on every call). It applies only where
+    # autograd is off, as for every specviz forward; training is untouched.
+    inductor_config.freezing = True
+    return torch.compile(fn, dynamic=True, options=options)
 
 
 class CapturedForward:
