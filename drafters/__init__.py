@@ -45,7 +45,10 @@ def build_drafter(name: str, target, **settings) -> Drafter:
     """Construct method ``name`` for ``target``: the target's defaults, then ``settings``, validated."""
     _check_name(name)
     cls, settings_cls = METHODS[name]
-    return cls(target, settings_cls.build(**{**settings_cls.defaults(target), **settings}))
+    drafter = cls(target, settings_cls.build(**{**settings_cls.defaults(target), **settings}))
+    if target.engine.path == "compiled":
+        drafter.capture_forwards(target)
+    return drafter
 
 
 def _value(text: str):

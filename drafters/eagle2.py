@@ -18,10 +18,12 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from specviz.core.cache import SlabCache
 from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings, lanes_by_depth
 from specviz.core.target import cache_kwarg
 from specviz.core.tree import DraftTree, additive_mask
 
+from .captured import CapturedDraft, shared_captures
 from .trained import TrainedDrafter
 from .training.losses import LossOptions, feature_loss
 
@@ -126,7 +128,7 @@ class FeatureState:
     """One decode's drafter KV cache (accepted positions only, between steps), the committed positions
     not yet fed to it, and the network's outputs at the last fed position."""
 
-    cache: DynamicCache
+    cache: SlabCache | DynamicCache
     queue: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (features, next tokens)
     last: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -152,8 +154,33 @@ class Eagle2Drafter(TrainedDrafter):
         return feature_loss(net, frozen, tokens, feats, valid, opts, done)
 
     # -- decoding -----------------------------------------------------------------------------
+    capture: CapturedDraft | None = None  # the network step and head compiled (``drafters.captured``)
+
+    def capture_forwards(self, target) -> str:
+        """Compiled once per target and checkpoint in a process: a drafter built again (the tuner builds one per
+        budget) takes the network, head and graphs of the first."""
+        shared = shared_captures(target.model)
+        key = (self.name, self.settings.checkpoint, repr(self.card.get("network")))
+        if key not in shared:
+            self.capture = CapturedDraft(self.net, self.frozen, self.device)
+            self.capture.warm(self._warm_capture)
+            shared[key] = (self.net, self.frozen, self.capture)
+        self.net, self.frozen, self.capture = shared[key]
+        return "compiled" if self.capture.ready else f"eager ({self.capture.error})"
+
+    def _warm_capture(self) -> None:
+        """Every graph a decode asks for, on a scratch state with made-up features: the feed (the first allocates
+        the buffers, eager; then several rows, then one) and a tree three deep (the head on one row and on a
+        frontier, the network over a frontier under a mask)."""
+        state = self.start()
+        for n in (4, 3, 1):
+            state.queue.append((torch.zeros(n, self.hidden_size, dtype=self.dtype, device=self.device),
+                                torch.ones(n, dtype=torch.long, device=self.device)))
+            self._feed([state])
+        self._expand([state], 3)
+
     def start(self) -> FeatureState:
-        return FeatureState(DynamicCache())
+        return FeatureState(SlabCache(1, 256))  # rollback rewinds a length, as the target's (core.cache)
 
     @torch.inference_mode()
     def observe(self, state: FeatureState, commit: Commit) -> None:
@@ -164,7 +191,18 @@ class Eagle2Drafter(TrainedDrafter):
         """The network over [B, n] inputs; ``allowed`` [B, n, keys] says what each query sees in ``cache`` and
         among the n (one row per lane)."""
         mask = additive_mask(allowed, feats.dtype)[0, 0][:, None].to(self.device)
+        if self.capture is not None and self.capture.usable(feats, cache):
+            return self.capture.run_step(feats, tokens, positions.to(self.device), mask, cache)
         return self.net(feats, self.frozen.embed(tokens), positions.to(self.device), mask, cache)
+
+    def _top(self, head_in: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities, draft-vocabulary ids) of the k best next tokens at each ``head_in`` row, on the CPU."""
+        k = min(k, self.frozen.head.shape[0])
+        if self.capture is not None and self.capture.ready and head_in.shape[0] == 1:
+            score, tok = self.capture.top(head_in, k)
+        else:
+            score, tok = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1).topk(k, dim=-1)
+        return score.cpu(), tok.cpu()  # the bookkeeping is on the CPU
 
     def _feed(self, states: list[FeatureState]) -> None:
         """Every lane's queued committed positions through the network in one call; each lane's cache grows
@@ -217,8 +255,7 @@ class Eagle2Drafter(TrainedDrafter):
         width = max(accepted)
         cache = states[0].cache if b == 1 else stacked([s.cache for s in states], accepted)
         head_in, feature = (torch.stack([s.last[j] for s in states]) for j in (0, 1))
-        logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)
-        score, tok = (t.cpu() for t in logp.topk(min(k, logp.shape[-1]), dim=-1))  # the bookkeeping is on the CPU
+        score, tok = self._top(head_in, k)
         # every candidate, level by level; a node's id is its index in the concatenation, per lane
         scores, tokens, logps, parents, depths = [score], [tok], [score], [torch.full_like(tok, -1)], [
             torch.ones_like(tok)]
@@ -239,8 +276,7 @@ class Eagle2Drafter(TrainedDrafter):
                 allowed[:, :, width:] = fed_anc[:, f0:]
                 positions = (torch.tensor(accepted) - 1 + d)[:, None].expand(b, m)
                 head_in, feats = self._run(front_feat, self.frozen.vocab_map[front_tok], positions, allowed, cache)
-                logp = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1)  # [B, m, V']
-                child_logp, child_tok = (t.cpu() for t in logp.topk(min(k, logp.shape[-1]), dim=-1))  # [B, m, k]
+                child_logp, child_tok = self._top(head_in, k)  # [B, m, k]
                 child_score = (front_score[:, :, None] + child_logp).reshape(b, -1)
                 width_k, n_new = child_tok.shape[2], m * child_tok.shape[2]
                 scores.append(child_score)

@@ -16,6 +16,7 @@ from test_cache import commit_rounds
 from test_engine import RandomTreeDrafter
 
 from app_harness import tiny_target_folder
+from conftest import session_checkpoint
 from drafters import build_drafter
 from specviz.apps.cli import main
 from specviz.apps.methods import split_engine
@@ -103,6 +104,22 @@ def test_two_compiled_targets_keep_their_own_weights(tiny_llama, ref_greedy):
     outputs = [run(t, build_drafter("ar", t), prompt, 24).output_ids for t in targets]
     assert outputs == [ref_greedy(t.model, prompt, 24) for t in targets]
     assert outputs[0] != outputs[1]
+
+
+@pytest.mark.parametrize("method,settings", [("eagle2", dict(depth=4, top_k=3, total_tokens=10)),
+                                             ("fspad", dict(depth=1, top_k=4, total_tokens=2))])
+def test_captured_feature_drafters_equal_ar(method, settings, pair, ref_greedy):
+    """A feature drafter on a compiled target has its network step and head compiled too, before its first decode;
+    its drafts went through them, and the output is still the target's own."""
+    compiled, eager = pair
+    checkpoint = str(session_checkpoint(eager, method))
+    drafter = build_drafter(method, compiled, checkpoint=checkpoint, **settings)
+    assert drafter.capture is not None and drafter.capture.ready, drafter.capture.error
+    assert build_drafter(method, eager, checkpoint=checkpoint, **settings).capture is None  # the eager baseline
+    for prompt in PROMPTS:
+        result = run(compiled, drafter, prompt + prompt, 40)
+        assert result.output_ids == ref_greedy(compiled.model, prompt + prompt, 40)
+    assert drafter.capture.calls > 0 and sum(r.accepted for r in result.records) > 0
 
 
 def test_the_target_serves_eager_until_compiled(tiny_llama, ref_greedy):

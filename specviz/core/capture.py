@@ -74,6 +74,12 @@ class EngineStatus:
         return f"{self.path} ({self.detail})" if self.detail else self.path
 
 
+def failure_text(error: Exception) -> str:
+    """A failed compilation in one line: what a header or a bench table shows beside the eager path."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
 def use_cache_folder() -> None:
     """Inductor's cache under ``~/.cache/specviz/inductor``: kernels of graphs without frozen weights survive
     between processes there; a frozen graph (the CPU path) is compiled anew in each process."""
@@ -120,7 +126,7 @@ def _own_code(fn):
 _CODES = itertools.count()
 
 
-def _compile(fn, device: torch.device):
+def compile_forward(fn, device: torch.device):
     use_cache_folder()
     # a decode asks for three graphs (one row, a chain, a tree mask), one more where a buffer is filled exactly;
     # head room for a target whose forward specialises on more
@@ -146,7 +152,7 @@ class CapturedForward:
     def __init__(self, model: torch.nn.Module, plain=None):
         self.split = plain is not None
         self.module = plain.decoder if self.split else model  # what the keyword arguments are for
-        self._fn = _compile(plain if self.split else model.forward, next(model.parameters()).device)
+        self._fn = compile_forward(plain if self.split else model.forward, next(model.parameters()).device)
         self.ready = False
         self.error: str | None = None
         self.compile_s: float | None = None
@@ -187,7 +193,7 @@ class CapturedForward:
             target.forward_rows(tree.input_ids(1)[None], tree.positions(past),
                                 tree.attention_mask(past, target.dtype), cache, captured=self)
         except Exception as e:  # noqa: BLE001 - any failure means: stay on the eager path, say why
-            self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            self.error = failure_text(e)
             return False
         self.compile_s = time.perf_counter() - start
         self.ready = True

@@ -73,6 +73,12 @@ class Drafter:
         """Parameters this method adds on top of the target (for 'extra memory %')."""
         return 0
 
+    def capture_forwards(self, target) -> str:
+        """Compile this drafter's own forwards, as a compiled ``target``'s are (``core.capture``), before any decode
+        is timed; called where the target runs compiled. Returns what ran: "compiled", "eager" (nothing to compile)
+        or the reason compilation failed."""
+        return "eager"
+
 
 def lanes_by_depth(states: list, requests: list[DraftRequest], most: int, ready) -> dict[int, list[int]]:
     """The lanes of a batch grouped by how deep each may draft (``most``, or less near its token limit), without

@@ -1,0 +1,91 @@
+"""Captured drafter forwards: a feature drafter's network step and its draft head compiled, as the target's verify
+forward is (``core.capture``: the same freezing, guards and code objects of their own).
+
+A feature drafter (EAGLE-2/3, HASS, FSPAD) runs two small computations per tree depth: its one-layer network over
+the frontier, then the draft head's log-probabilities and their top k. Eager, each costs a launch per operator and
+Python around them, which on a CPU is most of a one-layer forward; compiled, each is one graph.
+
+Which calls go through them (``CapturedDraft.step_for``): one lane on a ``SlabCache`` whose buffers exist, as for
+the target; several lanes (a stacked copy of their caches) and the first feed (which allocates the buffers) run
+eager. The graphs are compiled in ``warm``, at the drafter's construction, when its target runs compiled, so a
+bench or the tuner never times a compilation.
+
+Exactness: a compiled draft may differ from the eager one in the last bits (another tree near a tie); the target
+verifies either, so lossless methods still give the target's own output (``tests/test_capture.py``).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specviz.core.cache import SlabCache
+from specviz.core.capture import compile_forward, failure_text
+
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shared_captures(model: nn.Module) -> dict:
+    """The captured drafters of one target ``model`` in this process, by the drafter's own key; forgotten with the
+    model (a key holds no target alive, and a new model at a freed one's address finds nothing)."""
+    return _SHARED.setdefault(model, {})
+
+
+class _Head(nn.Module):
+    """The draft head's weight as a module's buffer, so freezing lays it out for the matrix kernels (a plain tensor
+    would be a graph input, multiplied unpacked on every call). Shares the frozen head's storage."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class CapturedDraft:
+    """A feature drafter's ``step`` (network over features and tokens) and ``top`` (head log-probabilities, top k)
+    compiled; ``ready`` once ``warm`` has compiled them, ``error`` where that failed (the drafter stays eager)."""
+
+    def __init__(self, net: nn.Module, frozen, device: torch.device):
+        embed, head = frozen.embedding, _Head(frozen.head)
+
+        def step(feats, tokens, positions, mask, cache):
+            return net(feats, embed(tokens).detach(), positions, mask, cache)
+
+        def top(head_in, k: int):
+            return torch.log_softmax(head(head_in).float(), dim=-1).topk(k, dim=-1)
+
+        self.step, self.top = compile_forward(step, device), compile_forward(top, device)
+        self.ready, self.error, self.compile_s = False, None, None
+        self.calls = 0  # forwards that went through the graphs: what tests and the profile read
+
+    def usable(self, feats: torch.Tensor, cache) -> bool:
+        """Whether this network call may run compiled: one lane on a slab cache whose buffers exist."""
+        return self.ready and feats.shape[0] == 1 and isinstance(cache, SlabCache) and cache.is_initialized
+
+    def run_step(self, feats, tokens, positions, mask, cache):
+        cache.reserve(feats.shape[1])  # a buffer grows outside the graph, never in it
+        self.calls += 1
+        return self.step(feats, tokens, positions, mask, cache)
+
+    def warm(self, draft) -> bool:
+        """Compile every graph a decode asks for by running ``draft()`` (the drafter's scratch decode) through them;
+        then ready. Returns whether it is; a failure is kept as ``error`` and the drafter stays eager."""
+        start = time.perf_counter()
+        self.ready = True  # the scratch decode goes through the graphs
+        try:
+            draft()
+        except Exception as e:  # noqa: BLE001 - any failure means: stay eager, say why
+            self.ready = False
+            self.error = failure_text(e)
+            warnings.warn(f"the drafter's forwards stay eager: {self.error}", stacklevel=2)
+            return False
+        self.compile_s = time.perf_counter() - start
+        self.calls = 0
+        return True
