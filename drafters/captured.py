@@ -16,6 +16,7 @@ verifies either, so lossless methods still give the target's own output (``tests
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 import weakref
@@ -28,6 +29,7 @@ from specviz.core.cache import SlabCache
 from specviz.core.capture import compile_forward, failure_text
 
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+CAPTURE_LOCK = threading.Lock()  # held while a drafter's graphs are looked up or compiled
 
 
 def shared_captures(model: nn.Module) -> dict:

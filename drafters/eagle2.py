@@ -10,6 +10,7 @@ objective they share is ``drafters.training.losses.feature_loss``.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -23,7 +24,7 @@ from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings, la
 from specviz.core.target import cache_kwarg
 from specviz.core.tree import DraftTree, additive_mask
 
-from .captured import CapturedDraft, shared_captures
+from .captured import CAPTURE_LOCK, CapturedDraft, shared_captures
 from .trained import TrainedDrafter
 from .training.losses import LossOptions, feature_loss
 
@@ -158,14 +159,17 @@ class Eagle2Drafter(TrainedDrafter):
 
     def capture_forwards(self, target) -> str:
         """Compiled once per target and checkpoint in a process: a drafter built again (the tuner builds one per
-        budget) takes the network, head and graphs of the first."""
-        shared = shared_captures(target.model)
+        budget) takes the network, head and graphs of the first. The graphs are warmed on a scratch copy, so a
+        drafter in use on another thread (the app's) drafts eager until they are ready."""
         key = (self.name, self.settings.checkpoint, repr(self.card.get("network")))
-        if key not in shared:
-            self.capture = CapturedDraft(self.net, self.frozen, self.device)
-            self.capture.warm(self._warm_capture)
-            shared[key] = (self.net, self.frozen, self.capture)
-        self.net, self.frozen, self.capture = shared[key]
+        with CAPTURE_LOCK:  # dynamo compiles one thing at a time
+            shared = shared_captures(target.model)
+            if key not in shared:
+                scratch = copy.copy(self)
+                scratch.capture = CapturedDraft(self.net, self.frozen, self.device)
+                scratch.capture.warm(scratch._warm_capture)
+                shared[key] = (self.net, self.frozen, scratch.capture)
+            self.net, self.frozen, self.capture = shared[key]
         return "compiled" if self.capture.ready else f"eager ({self.capture.error})"
 
     def _warm_capture(self) -> None:

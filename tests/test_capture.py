@@ -214,3 +214,25 @@ def test_the_app_compiles_while_it_serves_and_each_header_names_the_path(tiny_ta
     while state.tuning.mode != "background":  # the tuner starts once compilation has ended
         assert time.time() < deadline
         time.sleep(0.2)
+
+
+def test_the_app_captures_its_feature_drafters_once_the_target_is_compiled(tiny_target_dir):
+    """In the app a trained feature drafter drafts eager while the target compiles, then gets its own graphs on the
+    compile thread; races on either side of that are the target's own output."""
+    from specviz.apps.race import race
+    from specviz.apps.web.plan import plan_race
+    from specviz.apps.web.state import load_state
+    from specviz.core.load import load_target
+
+    checkpoint = session_checkpoint(load_target(str(tiny_target_dir), "float32", "cpu"), "eagle2")
+    state = load_state(str(tiny_target_dir), "float32", "cpu", tune="off", methods=["ar", "eagle2"],
+                       engine="compiled", checkpoints={"eagle2": str(checkpoint)})
+    drafter = state.drafters["eagle2"]
+    assert state.target.captured.thread_alive() and drafter.capture is None  # eager for now
+    plan = plan_race(state, "Count to ten.", ["ar", "eagle2"], 16, 0, 1, None)
+    before = {lane.label: lane.output_ids for lane in race(state.target, plan.drafters, plan.ids, 16)}
+    assert state.target.captured.wait(600), state.target.captured.error  # the thread ends after the drafters
+    assert drafter.capture is not None and drafter.capture.ready, drafter.capture and drafter.capture.error
+    after = {lane.label: lane.output_ids for lane in race(state.target, plan.drafters, plan.ids, 16)}
+    assert before["eagle2"] == before["ar"] == after["eagle2"] == after["ar"]
+    assert drafter.capture.calls > 0

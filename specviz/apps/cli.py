@@ -179,7 +179,7 @@ def cmd_bench(args) -> None:  # apps.bench (the loop) and apps.runlog (its log, 
     from .cards import record_benchmark
     from .questions import load_questions
     from .report import summary_table
-    from .runlog import bench_settings, finish_bench_log, logged_bench, open_bench_log
+    from .runlog import bench_settings, check_resumable, finish_bench_log, logged_bench, open_bench_log
     from .tuning import resolved_budgets
 
     sampling = _sampling(args)
@@ -187,6 +187,8 @@ def cmd_bench(args) -> None:  # apps.bench (the loop) and apps.runlog (its log, 
     questions = load_questions(args.questions, args.limit, args.per_category)
     if args.batch_sizes:
         return _bench_batches(args, methods, questions, sampling)
+    if args.resume and not args.part:
+        check_resumable(Path(args.out))
     target = _target(args)
     settings = bench_settings(target, methods, questions, args.max_new_tokens, sampling, args.dtype)
     # a resume runs at the budgets its log recorded, not at what the tuner (or a lost cache) would choose now

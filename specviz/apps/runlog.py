@@ -246,6 +246,15 @@ def part_of(spec: str) -> tuple[int, int]:
     return k, n
 
 
+def check_resumable(out: Path) -> None:
+    """Refuse ``--resume`` at once (before a target loads or compiles) where no run of ``out`` was left to resume."""
+    parts = list(out.parent.glob(f"{glob.escape(out.name)}.part*-of-*.runs"))
+    log = out.with_name(out.name + ".runs")
+    if not log.exists() and not parts:
+        raise SettingsError(f"nothing to resume: {log} does not exist (bench writes it while it runs and removes it "
+                            "when the run is complete); run without --resume to start")
+
+
 def open_bench_log(out: Path, questions: list, settings: dict, resolve, part: str | None = None,
                    resume: bool = False, any_machine: bool = False, say=print) -> BenchLog:
     """This bench's run log, output, questions and budgets (``resolve()`` when no log fixes them), with its

@@ -177,7 +177,17 @@ def load_state(target: str | None = None, dtype: str = "float32", device: str | 
     state.cold_start_s = time.perf_counter() - start
     then = (lambda: tuner.start(state)) if tune == "background" else None
     if engine != "eager":
-        model.use_engine(engine, background=True, then=then)
+        model.use_engine(engine, background=True, then=lambda: _after_compile(state, then))
     if then is not None and model.captured is None:  # eager, or nothing to compile here: tune now
         then()
     return state
+
+
+def _after_compile(state: AppState, then) -> None:
+    """On the compile thread, once the target's forwards are compiled: the loaded drafters' own (each serves eager
+    until its graphs are ready), then ``then`` (the background tuner)."""
+    if state.target.engine.path == "compiled":
+        for drafter in list(state.drafters.values()):
+            drafter.capture_forwards(state.target)
+    if then is not None:
+        then()
