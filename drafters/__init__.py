@@ -6,6 +6,7 @@ from specviz.core.errors import SettingsError
 from specviz.core.protocol import Drafter, Settings
 
 from .ar import AutoregressiveDrafter
+from .captured import capture_drafters
 from .eagle2 import Eagle2Drafter, TreeSettings
 from .eagle3 import Eagle3Drafter
 from .fspad import FspadDrafter
@@ -46,7 +47,7 @@ def build_drafter(name: str, target, **settings) -> Drafter:
     _check_name(name)
     cls, settings_cls = METHODS[name]
     drafter = cls(target, settings_cls.build(**{**settings_cls.defaults(target), **settings}))
-    if target.engine.path == "compiled":
+    if capture_drafters(target):
         drafter.capture_forwards(target)
     return drafter
 

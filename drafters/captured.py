@@ -5,7 +5,8 @@ A feature drafter (EAGLE-2/3, HASS, FSPAD) runs two small computations per tree 
 the frontier, then the draft head's log-probabilities and their top k. Eager, each costs a launch per operator and
 Python around them, which on a CPU is most of a one-layer forward; compiled, each is one graph.
 
-Which calls go through them (``CapturedDraft.step_for``): one lane on a ``SlabCache`` whose buffers exist, as for
+Where (``capture_drafters``): on a compiled target off the CPU, or wherever ``SPECVIZ_DRAFTER_ENGINE=compiled``.
+Which calls go through them (``CapturedDraft.usable``): one lane on a ``SlabCache`` whose buffers exist, as for
 the target; several lanes (a stacked copy of their caches) and the first feed (which allocates the buffers) run
 eager. The graphs are compiled in ``warm``, at the drafter's construction, when its target runs compiled, so a
 bench or the tuner never times a compilation.
@@ -16,6 +17,7 @@ verifies either, so lossless methods still give the target's own output (``tests
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -27,6 +29,21 @@ from torch import nn
 
 from specviz.core.cache import SlabCache
 from specviz.core.capture import compile_forward, failure_text
+from specviz.core.errors import SettingsError
+
+
+def capture_drafters(target) -> bool:
+    """Whether feature drafters compile their forwards for ``target``: only where the target itself runs compiled,
+    and then as ``SPECVIZ_DRAFTER_ENGINE`` says: "compiled", "eager", or "auto" (the default: compiled off the
+    CPU). On a CPU a compiled one-layer drafter measured slower than the eager one: dynamo's cost per call
+    (guards, argument handling) outweighs the few operators a graph fuses (docs/tuning.md)."""
+    choice = os.environ.get("SPECVIZ_DRAFTER_ENGINE", "auto")
+    if choice not in ("auto", "compiled", "eager"):
+        raise SettingsError(f"SPECVIZ_DRAFTER_ENGINE is auto, compiled or eager, got {choice!r}")
+    if target.engine.path != "compiled" or choice == "eager":
+        return False
+    return choice == "compiled" or target.device.type != "cpu"
+
 
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 CAPTURE_LOCK = threading.Lock()  # held while a drafter's graphs are looked up or compiled
@@ -74,7 +91,11 @@ class CapturedDraft:
     def run_step(self, feats, tokens, positions, mask, cache):
         cache.reserve(feats.shape[1])  # a buffer grows outside the graph, never in it
         self.calls += 1
-        return self.step(feats, tokens, positions, mask, cache)
+        # contiguous: a graph is kept per input layout, and the frontier's inputs are often expanded views
+        return self.step(*(t.contiguous() for t in (feats, tokens, positions, mask)), cache)
+
+    def run_top(self, head_in: torch.Tensor, k: int):
+        return self.top(head_in.contiguous(), k)
 
     def warm(self, draft) -> bool:
         """Compile every graph a decode asks for by running ``draft()`` (the drafter's scratch decode) through them;
@@ -82,7 +103,8 @@ class CapturedDraft:
         start = time.perf_counter()
         self.ready = True  # the scratch decode goes through the graphs
         try:
-            draft()
+            with torch.inference_mode():  # as decoding runs: a graph compiled with autograd on would not be reused
+                draft()
         except Exception as e:  # noqa: BLE001 - any failure means: stay eager, say why
             self.ready = False
             self.error = failure_text(e)

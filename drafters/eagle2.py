@@ -203,7 +203,7 @@ class Eagle2Drafter(TrainedDrafter):
         """(log-probabilities, draft-vocabulary ids) of the k best next tokens at each ``head_in`` row, on the CPU."""
         k = min(k, self.frozen.head.shape[0])
         if self.capture is not None and self.capture.ready and head_in.shape[0] == 1:
-            score, tok = self.capture.top(head_in, k)
+            score, tok = self.capture.run_top(head_in, k)
         else:
             score, tok = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1).topk(k, dim=-1)
         return score.cpu(), tok.cpu()  # the bookkeeping is on the CPU

@@ -18,6 +18,7 @@ from test_engine import RandomTreeDrafter
 from app_harness import tiny_target_folder
 from conftest import session_checkpoint
 from drafters import build_drafter
+from drafters.captured import capture_drafters
 from specviz.apps.cli import main
 from specviz.apps.methods import split_engine
 from specviz.apps.results import BenchResult
@@ -108,10 +109,11 @@ def test_two_compiled_targets_keep_their_own_weights(tiny_llama, ref_greedy):
 
 @pytest.mark.parametrize("method,settings", [("eagle2", dict(depth=4, top_k=3, total_tokens=10)),
                                              ("fspad", dict(depth=1, top_k=4, total_tokens=2))])
-def test_captured_feature_drafters_equal_ar(method, settings, pair, ref_greedy):
-    """A feature drafter on a compiled target has its network step and head compiled too, before its first decode;
-    its drafts went through them, and the output is still the target's own."""
+def test_captured_feature_drafters_equal_ar(method, settings, pair, ref_greedy, monkeypatch):
+    """A feature drafter on a compiled target has its network step and head compiled too (on a CPU where asked),
+    before its first decode; its drafts went through them, and the output is still the target's own."""
     compiled, eager = pair
+    monkeypatch.setenv("SPECVIZ_DRAFTER_ENGINE", "compiled")
     checkpoint = str(session_checkpoint(eager, method))
     drafter = build_drafter(method, compiled, checkpoint=checkpoint, **settings)
     assert drafter.capture is not None and drafter.capture.ready, drafter.capture.error
@@ -216,7 +218,7 @@ def test_the_app_compiles_while_it_serves_and_each_header_names_the_path(tiny_ta
         time.sleep(0.2)
 
 
-def test_the_app_captures_its_feature_drafters_once_the_target_is_compiled(tiny_target_dir):
+def test_the_app_captures_its_feature_drafters_once_the_target_is_compiled(tiny_target_dir, monkeypatch):
     """In the app a trained feature drafter drafts eager while the target compiles, then gets its own graphs on the
     compile thread; races on either side of that are the target's own output."""
     from specviz.apps.race import race
@@ -224,6 +226,7 @@ def test_the_app_captures_its_feature_drafters_once_the_target_is_compiled(tiny_
     from specviz.apps.web.state import load_state
     from specviz.core.load import load_target
 
+    monkeypatch.setenv("SPECVIZ_DRAFTER_ENGINE", "compiled")  # a CPU keeps them eager unless asked
     checkpoint = session_checkpoint(load_target(str(tiny_target_dir), "float32", "cpu"), "eagle2")
     state = load_state(str(tiny_target_dir), "float32", "cpu", tune="off", methods=["ar", "eagle2"],
                        engine="compiled", checkpoints={"eagle2": str(checkpoint)})
@@ -236,3 +239,15 @@ def test_the_app_captures_its_feature_drafters_once_the_target_is_compiled(tiny_
     after = {lane.label: lane.output_ids for lane in race(state.target, plan.drafters, plan.ids, 16)}
     assert before["eagle2"] == before["ar"] == after["eagle2"] == after["ar"]
     assert drafter.capture.calls > 0
+
+
+def test_where_drafters_are_compiled(pair, monkeypatch):
+    """By default only off the CPU (a compiled drafter measured slower than eager on one); the variable decides."""
+    compiled, eager = pair
+    monkeypatch.delenv("SPECVIZ_DRAFTER_ENGINE", raising=False)
+    assert not capture_drafters(compiled) and not capture_drafters(eager)
+    monkeypatch.setenv("SPECVIZ_DRAFTER_ENGINE", "compiled")
+    assert capture_drafters(compiled) and not capture_drafters(eager)
+    monkeypatch.setenv("SPECVIZ_DRAFTER_ENGINE", "fast")
+    with pytest.raises(SettingsError, match="SPECVIZ_DRAFTER_ENGINE"):
+        capture_drafters(compiled)

@@ -170,8 +170,10 @@ def test_profile_curve(tiny_folder, tmp_path, capsys):
     curve = json.loads(out.read_text())["curve"]
     assert [r["tokens"] for r in curve] == [1, 2, 4, 8] and all(r["ms"] > 0 for r in curve)
     assert main(["profile", "--target", tiny_folder, "--context", "16", "--max-size", "4", "--repeats", "1",
-                 "--tree", "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["shape"] == "tree"
+                 "--tree", "--ops", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["shape"] == "tree" and [r["tokens"] for r in result["ops"]] == [1, 2, 4]
+    assert "where one forward's time goes" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

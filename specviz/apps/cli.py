@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--repeats", type=int, default=7)
     pr.add_argument("--tree", action="store_true", help="verify trees (a 4D mask) instead of chains")
     pr.add_argument("--no-floor", action="store_true", help="skip measuring this machine's bandwidth and matrix rate")
+    pr.add_argument("--ops", action="store_true",
+                    help="also profile where each size's time goes: matrix kernels, attention, other operators, and "
+                         "outside any operator (Python, guards, launches)")
     pr.add_argument("--batch", type=int, default=1,
                     help="verify in this many sequences at once (one forward; the curve budgets at that batch size "
                          "are priced at; no floor)")
@@ -229,7 +232,7 @@ def cmd_profile(args) -> None:  # apps.profile
     while sizes[-1] * 2 <= args.max_size:
         sizes.append(sizes[-1] * 2)
     result = profile(_target(args), args.context, sizes, args.repeats, tree=args.tree,
-                     floor=not args.no_floor and args.batch == 1, batch=args.batch)
+                     floor=not args.no_floor and args.batch == 1, batch=args.batch, ops=args.ops)
     print(curve_text(result))
     if args.out:
         atomic_write(Path(args.out), json.dumps(result, indent=1))

@@ -17,12 +17,13 @@ from specviz.core.target import TargetModel
 from specviz.core.timing import now
 from specviz.core.tree import DraftTree
 
+from . import opsplit
 from .floor import forward_cost, measure_rates
 from .machine import machine_description
 
 
 def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 64), repeats: int = 7,
-            tree: bool = False, floor: bool = False, batch: int = 1) -> dict:
+            tree: bool = False, floor: bool = False, batch: int = 1, ops: bool = False) -> dict:
     """Mean ms of one target forward verifying n tokens after ``context`` cached tokens: a chain (plain
     causal attention), or with ``tree`` a tree (every node a child of the root: the 4D-mask path trees take).
     With ``batch`` B > 1, one forward verifies n tokens in each of B sequences (``core.batch``: every row a
@@ -30,7 +31,8 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
 
     The sizes take turns within each round (in a rotated order), so a slow spell of the machine lands on
     every size rather than on all repeats of one; the mean, not the median, is what a decode pays. With ``floor``
-    each row also gets the machine's floor for that forward (``floor.ForwardCost``) and the ratio to it."""
+    each row also gets the machine's floor for that forward (``floor.ForwardCost``) and the ratio to it; with
+    ``ops``, where the time of each size goes, by kind of operator (``opsplit``)."""
     if context < 1 or context + max(sizes) > target.max_length:
         raise SettingsError(f"context must be in [1, {target.max_length - max(sizes)}], got {context}")
     if batch < 1:
@@ -72,6 +74,9 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
         for r in rows:
             r["floor_ms"] = forward_cost(target, r["tokens"], context).floor_ms(rates)
             r["x_floor"] = r["ms"] / r["floor_ms"]
+    if ops:
+        result["ops"] = [opsplit.split(lambda n=r["tokens"]: _timed(target, drafts[n], prompt[-1], cache, context),
+                                       r["tokens"], r["ms"], target.device).to_dict() for r in rows]
     return result
 
 
@@ -110,4 +115,7 @@ def curve_text(result: dict) -> str:
         lines.append(f"floor: weights and cache read at {rates['read_gb_s']:.1f} GB/s, matrix work at "
                      f"{rates['matmul_gflop_s']:.0f} GFLOP/s ({rates['dtype']}, {rates['threads']} threads, measured "
                      "here); the rest of a forward (norms, rotary, softmax, Python, launches) is the engine's")
+    if "ops" in result:
+        fields = ("tokens", "wall_ms", "matrix_ms", "attention_ms", "other_ms", "outside_ms")
+        lines.append(opsplit.split_text([opsplit.OpSplit(**{k: r[k] for k in fields}) for r in result["ops"]]))
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from drafters import METHODS, build_drafter
+from drafters.captured import capture_drafters
 from specviz.core.errors import SpecvizError
 from specviz.core.load import load_target
 from specviz.core.protocol import Drafter
@@ -186,7 +187,7 @@ def load_state(target: str | None = None, dtype: str = "float32", device: str | 
 def _after_compile(state: AppState, then) -> None:
     """On the compile thread, once the target's forwards are compiled: the loaded drafters' own (each serves eager
     until its graphs are ready), then ``then`` (the background tuner)."""
-    if state.target.engine.path == "compiled":
+    if capture_drafters(state.target):
         for drafter in list(state.drafters.values()):
             drafter.capture_forwards(state.target)
     if then is not None:

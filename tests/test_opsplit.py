@@ -1,0 +1,37 @@
+"""apps.opsplit: profiler rows sorted into matrix kernels, attention, other operators and what lies outside them."""
+
+from __future__ import annotations
+
+import pytest
+
+from specviz.apps.opsplit import kind
+from specviz.apps.profile import profile
+from specviz.core.packing import pack_linears
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("aten::mm", "matrix"), ("aten::addmm", "matrix"), ("mkldnn::_linear_pointwise", "matrix"),
+    ("mkl::_mkl_linear", "matrix"), ("sm90_xmma_gemm_bf16bf16_bf16f32", "matrix"), ("ampere_bf16_s16816gemm", "matrix"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"), ("flash_fwd_kernel", "attention"),
+    ("aten::rsqrt", "other"), ("## Call CompiledFxGraph abc ##", "other"), ("aten::copy_", "other"),
+    ("TorchDynamo Cache Lookup", "outside"), ("Pregraph bytecode", "outside"),
+    ("Torch-Compiled Region: 0/3", "outside"),
+])
+def test_operator_kinds(name, expected):
+    assert kind(name) == expected
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_tiny_targets_forward_splits_into_its_parts(tiny_target, pack):
+    """Both kernel paths (PyTorch's default and packed oneDNN) are seen as matrix work; the parts add up to the
+    curve's wall time, with the remainder outside the operators."""
+    target = tiny_target()
+    if pack and not pack_linears(target.model):
+        pytest.skip("this torch cannot pack linear weights here")
+    result = profile(target, context=8, sizes=(1, 4), repeats=2, ops=True)
+    assert [r["tokens"] for r in result["ops"]] == [1, 4]
+    for row, curve in zip(result["ops"], result["curve"]):
+        assert row["wall_ms"] == curve["ms"]
+        assert row["matrix_ms"] > 0 and row["attention_ms"] > 0 and row["other_ms"] > 0 and row["outside_ms"] >= 0
+        parts = row["matrix_ms"] + row["attention_ms"] + row["other_ms"] + row["outside_ms"]
+        assert parts >= row["wall_ms"] - 1e-9 and row["x_matrix"] == pytest.approx(row["wall_ms"] / row["matrix_ms"])
