@@ -112,7 +112,7 @@ print(','.join(p.parent.name for p in sorted(Path('assets/drafters').glob('*/car
 engine() {  # the compiled path against the eager one in one process: the verify-cost curve and a short bench
   local slug
   slug=$(device_slug) || return 1
-  python3 -m specviz profile --device cuda --dtype bfloat16 --engine compiled --repeats 21 \
+  python3 -m specviz profile --device cuda --dtype bfloat16 --engine compiled --repeats 21 --ops \
     --out "$OUT_DIR/profile_cuda_bf16_compiled_$slug.json" || return 1
   timeout -s INT -k 30 "${BENCH_S:-240}" python3 -m specviz bench --device cuda --dtype bfloat16 --engine compiled \
     --questions mt-bench --per-category "${PER_CATEGORY:-1}" --max-new-tokens 256 \
