@@ -8,8 +8,8 @@ Python around them, which on a CPU is most of a one-layer forward; compiled, eac
 Where (``capture_drafters``): on a compiled target off the CPU, or wherever ``SPECVIZ_DRAFTER_ENGINE=compiled``.
 Which calls go through them (``CapturedDraft.usable``): one lane on a ``SlabCache`` whose buffers exist, as for
 the target; several lanes (a stacked copy of their caches) and the first feed (which allocates the buffers) run
-eager. The graphs are compiled in ``warm``, at the drafter's construction, when its target runs compiled, so a
-bench or the tuner never times a compilation.
+eager. The graphs are compiled in ``warm``, when the drafter is built (``build_drafter``), so a bench or the tuner
+never times a compilation.
 
 Exactness: a compiled draft may differ from the eager one in the last bits (another tree near a tie); the target
 verifies either, so lossless methods still give the target's own output (``tests/test_capture.py``).

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from drafters.captured import capture_drafters
 from specviz.core.capture import REVISION as CAPTURE_REVISION
 from specviz.core.files import content_key
 from specviz.core.load import cpu_flags, cpuinfo
@@ -67,4 +68,6 @@ def machine_key(target: TargetModel) -> str:
              target.kernels]
     if target.engine.path != "eager":  # compiled forwards cost otherwise: their own budgets
         facts.append(f"{target.engine.path} r{CAPTURE_REVISION}")
+        if capture_drafters(target):  # the drafters' cost too
+            facts.append("drafters compiled")
     return content_key(facts)

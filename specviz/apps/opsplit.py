@@ -10,7 +10,7 @@ the profiler); ``outside`` is the wall less the operators, never below zero.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -52,6 +52,10 @@ class OpSplit:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "x_matrix": self.x_matrix}
+
+    @classmethod
+    def from_dict(cls, row: dict) -> OpSplit:
+        return cls(**{f.name: row[f.name] for f in fields(cls)})
 
 
 def split(forward: Callable[[], None], tokens: int, wall_ms: float, device: torch.device, repeats: int = 5) -> OpSplit:

@@ -116,6 +116,5 @@ def curve_text(result: dict) -> str:
                      f"{rates['matmul_gflop_s']:.0f} GFLOP/s ({rates['dtype']}, {rates['threads']} threads, measured "
                      "here); the rest of a forward (norms, rotary, softmax, Python, launches) is the engine's")
     if "ops" in result:
-        fields = ("tokens", "wall_ms", "matrix_ms", "attention_ms", "other_ms", "outside_ms")
-        lines.append(opsplit.split_text([opsplit.OpSplit(**{k: r[k] for k in fields}) for r in result["ops"]]))
+        lines.append(opsplit.split_text([opsplit.OpSplit.from_dict(r) for r in result["ops"]]))
     return "\n".join(lines)

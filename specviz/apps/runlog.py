@@ -246,11 +246,20 @@ def part_of(spec: str) -> tuple[int, int]:
     return k, n
 
 
+def run_log_path(out: Path) -> Path:
+    """The run log beside results file ``out``: there while a bench runs, removed when it completes."""
+    return out.with_name(out.name + ".runs")
+
+
+def part_logs(out: Path) -> list[Path]:
+    """The run logs of ``out``'s parts (``--part K/N``), in order."""
+    return sorted(out.parent.glob(f"{glob.escape(out.name)}.part*-of-*.runs"))
+
+
 def check_resumable(out: Path) -> None:
     """Refuse ``--resume`` at once (before a target loads or compiles) where no run of ``out`` was left to resume."""
-    parts = list(out.parent.glob(f"{glob.escape(out.name)}.part*-of-*.runs"))
-    log = out.with_name(out.name + ".runs")
-    if not log.exists() and not parts:
+    log = run_log_path(out)
+    if not log.exists() and not part_logs(out):
         raise SettingsError(f"nothing to resume: {log} does not exist (bench writes it while it runs and removes it "
                             "when the run is complete); run without --resume to start")
 
@@ -262,12 +271,12 @@ def open_bench_log(out: Path, questions: list, settings: dict, resolve, part: st
     has not logged yet, in a log of its own at the full run's budgets; the full command with ``resume`` takes
     finished parts in (``RunLog.absorb``), so a τ bench can run one process per core."""
     ignore = ("machine",) if any_machine else ()
-    log = RunLog(out.with_name(out.name + ".runs"), settings, ignore)
+    log = RunLog(run_log_path(out), settings, ignore)
     if part:
         return _open_part(log, out, questions, settings, resolve, part_of(part), resume, ignore)
     if not resume:
         return BenchLog(log, out, questions, resolve())
-    parts = sorted(out.parent.glob(f"{glob.escape(out.name)}.part*-of-*.runs"))
+    parts = part_logs(out)
     if parts and not log.path.exists():  # only parts ran: their budgets are the run's
         first = RunLog(parts[0], settings, ignore).on_file()[0]
         log.check(first, but=("questions", "budgets"), source=parts[0])
@@ -285,7 +294,7 @@ def _open_part(log: RunLog, out: Path, questions: list, settings: dict, resolve,
                ignore: tuple[str, ...]) -> BenchLog:
     k, n = kn
     out = out.with_name(f"{out.name}.part{k}-of-{n}")
-    part = RunLog(out.with_name(out.name + ".runs"), dict(settings), ignore)
+    part = RunLog(run_log_path(out), dict(settings), ignore)
     if resume:  # this part's own questions, however far the full run has got since
         ids = set(part.on_file()[0]["questions"])
         block, budgets = [q for q in questions if q.id in ids], part.budgets()

@@ -9,8 +9,8 @@ pays for the model's arithmetic rather than for Python and one kernel launch per
   attention over the whole buffer under a mask (gpt-fast's layout), which is still to build and to measure on
   a GPU.
 
-A feature drafter on a compiled target compiles its own network step and head the same way
-(``drafters/captured.py``), when it is built.
+A feature drafter compiles its own network step and head the same way where that pays (off the CPU, or where
+``SPECVIZ_DRAFTER_ENGINE=compiled``; ``drafters/captured.py``), when it is built.
 
 Which forwards go through it (``TargetModel.forward_rows`` decides, per call): one sequence on a ``SlabCache``
 whose buffers exist. The prefill (once per decode, of any length), batches and other caches run eager: a graph
