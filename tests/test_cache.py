@@ -121,3 +121,48 @@ def test_models_with_sliding_window_layers_keep_the_dynamic_cache():
     assert isinstance(for_model(sliding_config(sliding_window=16)), DynamicCache)
     assert full_attention_only(sliding_config(sliding_window=None))
     assert isinstance(for_model(sliding_config(sliding_window=None)), SlabCache)
+
+
+class EagerBuffer:
+    """The whole-buffer layout without compiling: the forward ``core.capture`` compiles, run eagerly, so the layout's
+    own rules (slots, the padded mask, the length moved after) are checked quickly and apart from the compiler."""
+
+    layout, split, ready, graphs = "buffer", True, True, False
+
+    def __init__(self, target):
+        self.module, self._fn = target._plain.decoder, target._plain
+
+    def __call__(self, keep: int, **kwargs):
+        logits, hidden = self._fn(keep=keep, **kwargs)
+        return logits, hidden, None
+
+
+@pytest.mark.parametrize("context,capacity", [(1, 256), (9, 4), (120, 16)])
+def test_the_whole_buffer_layout_commits_exactly_the_accepted_rows(context, capacity, tiny_target, ref_logits):
+    """Attention over the whole buffer (rows written at slots, stale and unwritten rows hidden by the mask): every
+    verify's logits equal a cache-free forward over the committed sequence, through growth, and the live rows equal
+    a fresh prefill's."""
+    target = tiny_target(vocab_size=48, seed=context + 1, max_positions=320)
+    target.captured = EagerBuffer(target)
+    cache = target.new_cache(capacity)
+    seq = commit_rounds(target, cache, random.Random(context), context, ref_logits)
+    fresh = DynamicCache(config=target.config)
+    target.prefill(seq, fresh)
+    for slab, dense in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(slab.keys, dense.keys, atol=1e-5, rtol=1e-5)
+
+
+def test_slots_move_the_length_only_after_a_forward_that_ran():
+    """Inside ``slots`` the length stands still and ``update`` returns whole buffers; it moves by n after, not
+    when the forward fails; slots after the wrong length are refused."""
+    cache = SlabCache(1, 8)
+    cache.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2), 0)
+    with cache.slots(3, 2, torch.device("cpu")):
+        keys, _ = cache.update(torch.full((1, 1, 2, 2), 5.0), torch.zeros(1, 1, 2, 2), 0)
+        assert keys.shape[2] == 8 and cache.get_seq_length() == 3
+    assert cache.get_seq_length() == 5 and cache.layers[0].keys[0, 0, :, 0].tolist() == [1, 1, 1, 5, 5]
+    with pytest.raises(RuntimeError), cache.slots(5, 1, torch.device("cpu")):
+        raise RuntimeError("the forward failed")
+    assert cache.get_seq_length() == 5 and cache.layers[0].slots is None
+    with pytest.raises(ValueError, match="holds 5"), cache.slots(4, 1, torch.device("cpu")):
+        pass

@@ -1,5 +1,6 @@
-"""core.capture: the compiled target forward. Greedy output on it equals plain greedy decoding and the eager path's,
-for AR and for drafters that verify chains and trees; commits through it keep exactly the accepted rows; the
+"""core.capture: the compiled target forward, in both layouts (attention over the live rows, or over the whole buffer as
+CUDA graphs need it). Greedy output on it equals plain greedy decoding and the eager path's, for AR and for drafters
+that verify chains and trees; commits through it keep exactly the accepted rows; the
 target serves eager while it compiles and switches when ready; batches and unknown engines are handled as said.
 
 One tiny target is compiled once per module (a few seconds per graph on a small CPU)."""
@@ -30,11 +31,12 @@ from specviz.core.target import TargetModel
 PROMPTS = [[3, 5, 7, 11, 13], [2, 9, 4, 4, 1, 30, 17, 8, 8, 21, 5]]
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_llama):
-    """(compiled, eager): two targets on one tiny model's weights, one compiled now."""
+@pytest.fixture(scope="module", params=["live", "buffer"])
+def pair(tiny_llama, request):
+    """(compiled, eager): two targets on one tiny model's weights, one compiled now, its attention reading the live
+    rows or (as under CUDA graphs) the whole buffer."""
     compiled = TargetModel(tiny_llama(vocab_size=64, seed=3, max_positions=320))
-    status = compiled.use_engine("compiled")
+    status = compiled.use_engine("compiled", layout=request.param)
     assert status.path == "compiled", status
     return compiled, compiled.eager_view()
 
@@ -42,6 +44,7 @@ def pair(tiny_llama):
 def test_the_engine_says_which_path_runs(pair):
     compiled, eager = pair
     assert compiled.engine.path == "compiled" and compiled.captured.split
+    assert ("whole buffer" in compiled.engine.detail) == (compiled.captured.layout == "buffer")
     assert eager.engine == EngineStatus("eager", "baseline") and eager.captured is None
     assert compiled.captured.ready and eager.model is compiled.model
 

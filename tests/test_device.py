@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from fake_device import DeviceMix, FakeCuda
-from test_engine import GREEDY_BUILDERS, PROMPTS, VOCAB, noisy_copy
+from test_engine import GREEDY_BUILDERS, PROMPTS, VOCAB, RandomTreeDrafter, noisy_copy
 
 import drafters
 from conftest import make_llama
 from drafters.sps import AssistantDrafter, AssistantSettings
-from specviz.core.engine import run
+from specviz.core.cache import for_model
+from specviz.core.engine import generate, run
 from specviz.core.target import TargetModel
 from specviz.core.verify import Sampling
 
@@ -125,3 +126,19 @@ def test_every_method_decodes_on_a_real_gpu_as_on_the_cpu(method, target):
         assert run(gpu, drafter, p, n, stop_on_eos=False).output_ids == greedy
         sampled = run(gpu, drafter, p, n, Sampling(temperature=1.0, seed=7), stop_on_eos=False).output_ids
         assert len(sampled) == len(greedy)
+
+
+@real_gpu
+def test_cuda_graphs_decode_as_the_eager_gpu_path(greedy_on_the_cpu):
+    """The compiled target on a GPU replays CUDA graphs over the whole buffer: greedy fp32 output of AR, a chain and
+    random trees equals the CPU's, also where a decode outgrows its buffer (new addresses: graphs recorded anew)."""
+    gpu = TargetModel(make_llama(VOCAB, seed=0, num_layers=4).to("cuda"))
+    status = gpu.use_engine("compiled")
+    assert gpu.captured.graphs and "CUDA graphs" in status.detail, status
+    for (p, n), greedy in zip(CASES, greedy_on_the_cpu):
+        for drafter in (build("ar", gpu), build("pld", gpu), RandomTreeDrafter(p, greedy, seed=3)):
+            assert run(gpu, drafter, p, n, stop_on_eos=False).output_ids == greedy
+        small = for_model(gpu.config, 8, static=True)  # grows twice during the decode
+        records = generate(gpu, RandomTreeDrafter(p, greedy, seed=4), p, n, stop_on_eos=False, cache=small)
+        assert [t for r in records for t in r.tokens] == greedy
+        assert small.capacity > 8

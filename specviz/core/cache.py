@@ -14,6 +14,12 @@ every forward, and a tree commit had to gather the whole context again. Here eac
 - a write past ``capacity`` doubles the buffer (amortised O(1) per row), so a decode that outgrows its
   estimate is slower once, never wrong.
 
+**The whole-buffer layout** (``SlabCache.slots``, what a CUDA graph needs: ``core.capture``): while the cache holds
+a slot tensor, ``update`` writes the new rows at those slots and returns the whole buffers, so every tensor in the
+forward has a shape fixed by the capacity, not by the context; the caller's mask hides every row past the live ones,
+and ``advance(n)`` moves the length after the forward. Buffers start zeroed, so a hidden row is never NaN (a masked
+weight of zero times NaN is still NaN).
+
 Invariant: rows ``[0, length)`` of every layer hold the keys and values of the committed sequence, in
 order; rows at or after ``length`` are stale and never read.
 
@@ -22,6 +28,8 @@ gets transformers' own ``DynamicCache`` (``for_model``), and a tree commit there
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch._dynamo
@@ -38,19 +46,25 @@ class SlabLayer(DynamicLayer):
         self.length = 0
         self._keys: torch.Tensor | None = None  # the buffers; ``keys``/``values`` are views of their live rows
         self._values: torch.Tensor | None = None
+        self.slots: torch.Tensor | None = None  # set by ``SlabCache.slots``: the whole-buffer layout for one forward
+        self.static = False  # the buffers' addresses are fixed inputs of a CUDA graph (``SlabCache(static=True)``)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self._keys = key_states.new_empty((*key_states.shape[:2], self.capacity, key_states.shape[-1]))
-        self._values = value_states.new_empty((*value_states.shape[:2], self.capacity, value_states.shape[-1]))
+        self._keys = key_states.new_zeros((*key_states.shape[:2], self.capacity, key_states.shape[-1]))
+        self._values = value_states.new_zeros((*value_states.shape[:2], self.capacity, value_states.shape[-1]))
         self._mark_dynamic()
         self.is_initialized = True
         self._view()
 
     def _mark_dynamic(self) -> None:
-        """The buffers' length varies between caches: a compiled forward (``core.capture``) keeps one graph for all."""
+        """The buffers' length varies between caches: a compiled forward (``core.capture``) keeps one graph for all.
+        Static buffers are also marked as fixed addresses, so a CUDA graph writes them in place rather than refusing
+        to capture a forward that mutates its inputs (a new buffer, after a growth, is recorded anew)."""
         for buffer in (self._keys, self._values):
             torch._dynamo.maybe_mark_dynamic(buffer, 2)
+            if self.static:
+                torch._dynamo.mark_static_address(buffer)
 
     def _view(self) -> None:
         self.keys = self._keys[:, :, : self.length]
@@ -60,7 +74,7 @@ class SlabLayer(DynamicLayer):
         capacity = max(needed, 2 * self.capacity)
         for name in ("_keys", "_values"):
             old = getattr(self, name)
-            new = old.new_empty((*old.shape[:2], capacity, old.shape[-1]))
+            new = old.new_zeros((*old.shape[:2], capacity, old.shape[-1]))
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
         self.capacity = capacity
@@ -69,6 +83,10 @@ class SlabLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.slots is not None:  # the whole-buffer layout: written at tensor slots, the length moves after
+            self._keys.index_copy_(2, self.slots, key_states)
+            self._values.index_copy_(2, self.slots, value_states)
+            return self._keys, self._values
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             self._grow(end)
@@ -111,10 +129,37 @@ class SlabLayer(DynamicLayer):
 
 
 class SlabCache(Cache):
-    """A KV cache of ``SlabLayer``s: one per decoder layer, each ``capacity`` rows to start with."""
+    """A KV cache of ``SlabLayer``s: one per decoder layer, each ``capacity`` rows to start with. ``static``: the
+    buffers are fixed addresses of a CUDA graph (the whole-buffer layout's compiled forward)."""
 
-    def __init__(self, num_layers: int, capacity: int = 256):
+    def __init__(self, num_layers: int, capacity: int = 256, static: bool = False):
         super().__init__(layers=[SlabLayer(capacity) for _ in range(num_layers)])
+        for layer in self.layers:
+            layer.static = static
+
+    @property
+    def capacity(self) -> int:
+        """Rows every layer holds now (the whole-buffer layout's key length)."""
+        return min(layer.capacity for layer in self.layers)
+
+    @contextlib.contextmanager
+    def slots(self, past: int, n: int, device: torch.device):
+        """The whole-buffer layout for one forward of ``n`` rows after ``past`` (= the length): ``update`` writes
+        at ``past, ..., past+n-1`` and returns whole buffers; the length moves by ``n`` once the forward is done."""
+        if past != self.get_seq_length():
+            raise ValueError(f"slots after {past} rows, but the cache holds {self.get_seq_length()}")
+        self.reserve(n)  # no growth inside the forward: a graph's buffers keep their shape
+        slots = torch.arange(past, past + n, device=device)
+        for layer in self.layers:
+            layer.slots = slots
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.slots = None
+        for layer in self.layers:  # the forward ran: its rows are live
+            layer.length = past + n
+            layer._view()
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more rows in every layer now, so a compiled forward never grows a buffer inside its
@@ -141,8 +186,8 @@ def full_attention_only(config) -> bool:
     return all(t == "full_attention" for t in layer_types)
 
 
-def for_model(config, capacity: int = 256) -> Cache:
+def for_model(config, capacity: int = 256, static: bool = False) -> Cache:
     """A ``SlabCache`` for a model whose layers are all full attention, else transformers' ``DynamicCache``."""
     if full_attention_only(config):
-        return SlabCache(config.get_text_config(decoder=True).num_hidden_layers, capacity)
+        return SlabCache(config.get_text_config(decoder=True).num_hidden_layers, capacity, static)
     return DynamicCache(config=config)

@@ -4,10 +4,16 @@ pays for the model's arithmetic rather than for Python and one kernel launch per
 - **CPU**: inductor with freezing (the weights become constants, laid out for oneDNN, as ``core.packing`` does by
   hand for the eager path), dynamic query length: one graph for a one-row forward (decode) and one for 2+ rows
   (a chain or a tree), whatever the context length, since the ``SlabCache`` is read as views of its live rows.
-- **CUDA**: inductor's fused kernels, dynamic shapes as on the CPU. Not CUDA graphs yet: a graph is recorded per
-  shape, and attention here reads the cache's live rows, whose number changes every step; CUDA graphs need
-  attention over the whole buffer under a mask (gpt-fast's layout), which is still to build and to measure on
-  a GPU.
+- **CUDA**: inductor's fused kernels replayed as CUDA graphs, one launch a forward. A CUDA graph is recorded per
+  shape, so the forward runs in the **whole-buffer layout** (gpt-fast's): the new rows are written at slot
+  tensors and attention reads the cache's whole buffer under a mask that hides the rows past the live ones
+  (``core.cache``), so a forward's shapes depend on its row count and the capacity, never on the context. The
+  buffers are fixed addresses (``SlabCache(static=True)``); graph outputs are copied out, since the next replay
+  overwrites them.
+
+``layout`` chooses per target: "live" (attention over the live rows: the CPU's default, where attending to a
+whole buffer would cost arithmetic and there are no graphs to keep) or "buffer" (CUDA's default; on the CPU it runs
+without graphs, which is how the tests check it).
 
 A feature drafter compiles its own network step and head the same way where that pays (off the CPU, or where
 ``SPECVIZ_DRAFTER_ENGINE=compiled``; ``drafters/captured.py``), when it is built.
@@ -47,6 +53,7 @@ import torch._inductor.config as inductor_config
 from .files import cache_dir
 
 ENGINES = ("eager", "compiled", "auto")  # auto: compiled where torch.compile works here, else eager
+LAYOUTS = ("live", "buffer")  # what attention reads in a compiled forward: the live rows, or the whole buffer
 REVISION = 2  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
 
 
@@ -129,7 +136,24 @@ def _own_code(fn):
 _CODES = itertools.count()
 
 
-def compile_forward(fn, device: torch.device):
+def default_layout(device: torch.device) -> str:
+    """The whole buffer where CUDA graphs replay the forward, the live rows elsewhere (see the module's notes)."""
+    return "buffer" if device.type == "cuda" else "live"
+
+
+def buffer_mask(mask: torch.Tensor | None, past: int, n: int, capacity: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """The whole-buffer layout's mask, [1, 1, n, capacity], additive: ``mask`` over the live rows ([1, 1, n, past+n];
+    None: causal) and every row after them hidden. Built on ``device``."""
+    low = torch.finfo(dtype).min
+    if mask is None:
+        seen = torch.arange(capacity, device=device) <= past + torch.arange(n, device=device)[:, None]
+        return torch.zeros(n, capacity, dtype=dtype, device=device).masked_fill_(~seen, low)[None, None]
+    return torch.nn.functional.pad(mask.to(device=device, dtype=dtype), (0, capacity - mask.shape[-1]), value=low)
+
+
+def compile_forward(fn, device: torch.device, graphs: bool = False):
+    """``fn`` compiled for ``device``; ``graphs``: replayed as CUDA graphs (the whole-buffer layout only)."""
     use_cache_folder()
     # a decode asks for three graphs (one row, a chain, a tree mask), one more where a buffer is filled exactly;
     # head room for a target whose forward specialises on more
@@ -139,8 +163,8 @@ def compile_forward(fn, device: torch.device):
     # function has a code object, so a cache of graphs, of its own (``_own_code``)
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     fn = _own_code(fn)
-    if device.type == "cuda":
-        return torch.compile(fn, dynamic=True, options=options)
+    if device.type == "cuda":  # "triton.cudagraphs" is what mode="reduce-overhead" sets, which excludes options
+        return torch.compile(fn, dynamic=True, options={**options, "triton.cudagraphs": graphs})
     # freezing must be set in inductor's config itself: passed as ``torch.compile(options=...)`` it is not seen where
     # inductor decides to freeze, and the weights stay unpacked (``aten::mm`` on every call). It applies only where
     # autograd is off, as for every specviz forward; training is untouched.
@@ -150,12 +174,18 @@ def compile_forward(fn, device: torch.device):
 
 class CapturedForward:
     """A target's forward compiled, and whether it is ready: ``plain`` (``decoder_then_head``, one graph without the
-    hooks transformers uses to collect hidden states) where given, else ``model.forward`` whole."""
+    hooks transformers uses to collect hidden states) where given, else ``model.forward`` whole. ``layout``: what
+    attention reads (``LAYOUTS``; None: ``default_layout``); ``graphs``: replayed as CUDA graphs."""
 
-    def __init__(self, model: torch.nn.Module, plain=None):
+    def __init__(self, model: torch.nn.Module, plain=None, layout: str | None = None):
+        device = next(model.parameters()).device
+        self.layout = layout or default_layout(device)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        self.graphs = device.type == "cuda" and self.layout == "buffer"
         self.split = plain is not None
         self.module = plain.decoder if self.split else model  # what the keyword arguments are for
-        self._fn = compile_forward(plain if self.split else model.forward, next(model.parameters()).device)
+        self._fn = compile_forward(plain if self.split else model.forward, device, self.graphs)
         self.ready = False
         self.error: str | None = None
         self.compile_s: float | None = None
@@ -164,16 +194,25 @@ class CapturedForward:
     def __call__(self, keep: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor, object]:
         """``(logits, final-norm features, the model's outputs or None)`` for ``self.module``'s keyword arguments;
         the outputs (with every hidden state) only where the whole forward was compiled."""
+        if self.graphs:  # a new replay: the last one's outputs, copied below, may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         if self.split:
             logits, hidden = self._fn(keep=keep, **kwargs)
-            return logits, hidden, None
-        out = self._fn(**kwargs, logits_to_keep=keep, output_hidden_states=True)
-        return out.logits, out.hidden_states[-1], out
+            out = None
+        else:
+            out = self._fn(**kwargs, logits_to_keep=keep, output_hidden_states=True)
+            logits, hidden = out.logits, out.hidden_states[-1]
+        if self.graphs:  # a graph's outputs live in its memory pool: the next replay writes over them
+            logits, hidden = logits.clone(), hidden.clone()
+            if out is not None:  # the whole model's outputs: what ``TargetModel._features`` reads of them
+                out = type(out)(logits=logits, hidden_states=tuple(h.clone() for h in out.hidden_states))
+        return logits, hidden, out
 
     @property
     def status(self) -> EngineStatus:
         if self.ready:
-            return EngineStatus("compiled", f"compiled in {self.compile_s:.0f} s")
+            how = {True: "CUDA graphs, ", False: "whole buffer, " if self.layout == "buffer" else ""}[self.graphs]
+            return EngineStatus("compiled", f"{how}compiled in {self.compile_s:.0f} s")
         if self.error is not None:
             return EngineStatus("eager", f"compilation failed: {self.error}")
         return EngineStatus("eager", "compiling; eager until ready", compiling=True)
@@ -185,7 +224,7 @@ class CapturedForward:
 
         start = time.perf_counter()
         try:
-            cache = target.new_cache(64)
+            cache = target.new_cache(64, static=self.graphs)
             target.prefill(list(range(1, 9)), cache)  # eager: allocates the buffers the graphs write into
             for n in sizes:
                 target.forward_rows(torch.arange(n)[None] + 1, torch.arange(8, 8 + n)[None], None, cache,

@@ -31,7 +31,15 @@ from transformers import Cache
 
 from .cache import SlabCache
 from .cache import for_model as cache_for_model
-from .capture import ENGINES, CapturedForward, EngineStatus, capture_unsupported, decoder_then_head, plain_causal_lm
+from .capture import (
+    ENGINES,
+    CapturedForward,
+    EngineStatus,
+    buffer_mask,
+    capture_unsupported,
+    decoder_then_head,
+    plain_causal_lm,
+)
 from .errors import SettingsError, SpecvizError
 from .packing import packed_count
 from .text import ChatText
@@ -140,10 +148,15 @@ class TargetModel:
         return [1 + self.taps.index(i) for i in layers]
 
     # -- forward passes ---------------------------------------------------------------------
-    def new_cache(self, capacity: int = 256) -> Cache:
+    def new_cache(self, capacity: int = 256, static: bool | None = None) -> Cache:
         """An empty KV cache for one decode, sized for ``capacity`` tokens (it grows past them if it must): a
-        ``core.cache.SlabCache`` where every layer is full attention, else transformers' ``DynamicCache``."""
-        return cache_for_model(self.config, capacity)
+        ``core.cache.SlabCache`` where every layer is full attention, else transformers' ``DynamicCache``.
+        ``static`` (None: where this target's forwards replay as CUDA graphs): buffers at fixed addresses."""
+        if static is None:
+            static = self.captured is not None and self.captured.graphs
+        if static:  # a CUDA graph is recorded per capacity: a few sizes serve every decode
+            capacity = 1 << max(8, (capacity - 1).bit_length())
+        return cache_for_model(self.config, capacity, static)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Cache,
                  keep: int = 0):
@@ -151,11 +164,12 @@ class TargetModel:
         return logits[0], feats[0]
 
     # -- the engine: eager, or captured forwards (core.capture) -------------------------------
-    def use_engine(self, engine: str = "auto", background: bool = False, then=None) -> EngineStatus:
+    def use_engine(self, engine: str = "auto", background: bool = False, then=None,
+                   layout: str | None = None) -> EngineStatus:
         """Run verify forwards ``engine``: "eager" (the model as it is), "compiled" (``core.capture``; this call
         compiles, or starts compiling on a thread with ``background``, serving eager until ready) or "auto"
         (compiled where this torch can compile, else eager with the reason). ``then()`` runs once the background
-        compilation has ended, well or not."""
+        compilation has ended, well or not. ``layout``: what a compiled forward's attention reads (``core.capture``)."""
         if engine not in ENGINES:
             raise SettingsError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         self.captured = None
@@ -167,7 +181,7 @@ class TargetModel:
                 raise SettingsError(f"the compiled engine cannot run here: {reason}")
             self._engine_note = reason
             return self.engine
-        self.captured = CapturedForward(self.model, None if self.taps else self._plain)
+        self.captured = CapturedForward(self.model, None if self.taps else self._plain, layout)
         if background:
             self.captured.start(self, then)
         elif not self.captured.warm(self) and engine == "compiled":
@@ -206,6 +220,12 @@ class TargetModel:
         args = dict(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
                     attention_mask=None if mask is None else mask.to(self.device), use_cache=True)
         run = self._captured_for(ids, cache, captured)
+        if run is not None and run.layout == "buffer":  # attention over the whole buffer (``core.capture``)
+            past, n = cache.get_seq_length(), ids.shape[1]
+            with cache.slots(past, n, self.device):
+                args["attention_mask"] = buffer_mask(mask, past, n, cache.capacity, self.dtype, self.device)
+                logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
+            return logits, self._features(feats, out)
         if run is not None:  # no hook inside a graph: the last hidden state is the final norm's output
             cache.reserve(ids.shape[1])
             logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
