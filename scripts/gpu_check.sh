@@ -12,7 +12,8 @@
 #   GGUF_PARTS=DIR  a folder holding the GGUF's parts (files named part*, found at any depth, joined in name
 #                   order), for when it must travel in pieces; or SPECVIZ_GGUF=FILE, the GGUF whole
 #   STEPS           which steps, in order (default: "install tests profile bench"; "engine" compares the
-#                   compiled target forward with the eager one: profile and a short bench, ENGINE_METHODS)
+#                   compiled target forward with the eager one: profile and a short bench, ENGINE_METHODS;
+#                   "batch" sweeps batch sizes, BATCH_SIZES and BATCH_METHODS, stopped after BATCH_S seconds)
 #   TESTS           pytest arguments for the CUDA tests (default: tests/test_device.py, whose real-GPU
 #                   tests run only where CUDA is present)
 #   BENCH_S         seconds the bench may run before it is stopped, keeping the prompts it finished (240)
@@ -123,6 +124,20 @@ engine() {  # the compiled path against the eager one in one process: the verify
   return $rc
 }
 
+batch() {  # issue 51's sweep: throughput against batch size beside AR, ReDrafter with and without tree attention
+  local slug out resume=()
+  slug=$(device_slug) || return 1
+  out=$OUT_DIR/mtbench_batch_sweep_128_cuda_bf16_$slug.json
+  [ -f "$out" ] && resume=(--resume)  # a sweep's file is written after every point: go on from it
+  timeout -s INT -k 30 "${BATCH_S:-300}" python3 -m specviz bench --device cuda --dtype bfloat16 \
+    --questions mt-bench --per-category 8 --max-new-tokens 128 --batch-sizes "${BATCH_SIZES:-1,4,16,64}" \
+    --methods "${BATCH_METHODS:-redrafter:width=4:length=4,redrafter:width=4:length=4:tree_attention=0,fspad}" \
+    --out "$out" "${resume[@]}"
+  local rc=$?
+  [ $rc = 124 ] && { say "batch sweep stopped after ${BATCH_S:-300} s: $out keeps the sizes it finished"; return 0; }
+  return $rc
+}
+
 join_gguf
 for step in ${STEPS:-install tests profile bench}; do
   say "$step"
@@ -133,6 +148,7 @@ for step in ${STEPS:-install tests profile bench}; do
     profile) profile ;;
     bench) bench ;;
     engine) engine ;;
+    batch) batch ;;
     *) echo "unknown step: $step" >&2; false ;;
   esac
   rc=$?
