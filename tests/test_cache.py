@@ -166,3 +166,31 @@ def test_slots_move_the_length_only_after_a_forward_that_ran():
     assert cache.get_seq_length() == 5 and cache.layers[0].slots is None
     with pytest.raises(ValueError, match="holds 5"), cache.slots(4, 1, torch.device("cpu")):
         pass
+
+
+def test_static_caches_take_the_buffers_of_those_gone_layer_by_layer(monkeypatch):
+    """What keeps CUDA graphs replaying across decodes: a static cache's layer takes the pair its index held last
+    in a cache that grew or is gone (zeroed), so its buffers sit at the addresses a graph recorded; a cache alive
+    keeps its own, and a cache that is not static never pools."""
+    import specviz.core.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "POOL", cache_module.BufferPool())
+
+    def fill(cache, rows):
+        for i in range(len(cache.layers)):
+            cache.update(torch.full((1, 2, rows, 4), i + 1.0), torch.ones(1, 2, rows, 4), i)
+        return [layer._keys.data_ptr() for layer in cache.layers]
+
+    first = SlabCache(2, 8, static=True)
+    small = fill(first, 3)
+    grown = fill(first, 7)  # 10 rows: each layer grows to 16, and its 8-row pair goes back
+    assert grown != small and first.layers[1].keys[0, 0, :, 0].tolist() == [2.0] * 10
+    second = SlabCache(2, 8, static=True)
+    assert fill(second, 1) == small  # layer by layer, not swapped
+    assert second.layers[1]._keys[:, :, 1:].abs().sum() == 0  # the last owner's rows are gone
+    assert fill(SlabCache(2, 16, static=True), 1) != grown  # ``first`` is alive: its pairs are its own
+    del first
+    assert fill(SlabCache(2, 16, static=True), 1) == grown
+    plain = SlabCache(2, 8)
+    fill(plain, 1)
+    assert all(not layer._held for layer in plain.layers)

@@ -30,11 +30,46 @@ gets transformers' own ``DynamicCache`` (``for_model``), and a tree commit there
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 
 import torch
 import torch._dynamo
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+
+
+class BufferPool:
+    """The buffer pairs of static caches' layers that are gone or grew, kept for the next cache: the next decode's
+    layer i takes the pair layer i held last, so CUDA graphs find their inputs at the addresses they recorded with
+    and replay, rather than record anew at each decode (inductor records again on a new address, up to a limit, then
+    stops replaying that graph). Decodes that run at the same time hold pairs of their own. Pairs are kept for the
+    process: as many as the most static caches alive at once needed, per capacity."""
+
+    def __init__(self):
+        self._free: dict[tuple, list] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple, make) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            free = self._free.get(key)
+            pair = free.pop() if free else None
+        if pair is None:
+            return make()
+        with torch.inference_mode():  # a pair made by a forward is an inference tensor
+            for buffer in pair:
+                buffer.zero_()
+        return pair
+
+    def give_back(self, held: list, keep_last: bool = False) -> None:
+        """``held``: a layer's (key, pair) records, oldest first; each goes back (but the newest with ``keep_last``)."""
+        with self._lock:
+            while len(held) > keep_last:
+                key, pair = held.pop(0)
+                self._free.setdefault(key, []).append(pair)
+
+
+POOL = BufferPool()
 
 
 class SlabLayer(DynamicLayer):
@@ -48,14 +83,31 @@ class SlabLayer(DynamicLayer):
         self._values: torch.Tensor | None = None
         self.slots: torch.Tensor | None = None  # set by ``SlabCache.slots``: the whole-buffer layout for one forward
         self.static = False  # the buffers' addresses are fixed inputs of a CUDA graph (``SlabCache(static=True)``)
+        self.index = 0  # the decoder layer's, which a static buffer is pooled under
+        self._held: list = []  # a static layer's (pool key, buffer pair), its current pair last
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self._keys = key_states.new_zeros((*key_states.shape[:2], self.capacity, key_states.shape[-1]))
-        self._values = value_states.new_zeros((*value_states.shape[:2], self.capacity, value_states.shape[-1]))
+        self._keys, self._values = self._buffers(key_states, value_states, self.capacity)
         self._mark_dynamic()
         self.is_initialized = True
         self._view()
+
+    def _buffers(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed buffers of ``capacity`` rows shaped as ``keys`` and ``values``: new, or for a static cache the pair
+        the pool holds for this layer (``POOL``), which goes back there on growth or when the layer is gone."""
+        def make():
+            return (keys.new_zeros((*keys.shape[:2], capacity, keys.shape[-1])),
+                    values.new_zeros((*values.shape[:2], capacity, values.shape[-1])))
+
+        if not self.static:
+            return make()
+        key = (self.index, tuple(keys.shape[:2]), capacity, keys.shape[-1], values.shape[-1], keys.dtype, keys.device)
+        pair = POOL.take(key, make)
+        if not self._held:  # the first pair: give back whatever this layer holds when it is gone
+            weakref.finalize(self, POOL.give_back, self._held)
+        self._held.append((key, pair))  # a growth gives the old pair back once its rows are copied
+        return pair
 
     def _mark_dynamic(self) -> None:
         """The buffers' length varies between caches: a compiled forward (``core.capture``) keeps one graph for all.
@@ -72,11 +124,12 @@ class SlabLayer(DynamicLayer):
 
     def _grow(self, needed: int) -> None:
         capacity = max(needed, 2 * self.capacity)
-        for name in ("_keys", "_values"):
-            old = getattr(self, name)
-            new = old.new_zeros((*old.shape[:2], capacity, old.shape[-1]))
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
+        old = self._keys, self._values
+        self._keys, self._values = self._buffers(*old, capacity)
+        self._keys[:, :, : self.length] = old[0][:, :, : self.length]
+        self._values[:, :, : self.length] = old[1][:, :, : self.length]
+        if self.static:
+            POOL.give_back(self._held, keep_last=True)
         self.capacity = capacity
         self._mark_dynamic()
 
@@ -134,8 +187,8 @@ class SlabCache(Cache):
 
     def __init__(self, num_layers: int, capacity: int = 256, static: bool = False):
         super().__init__(layers=[SlabLayer(capacity) for _ in range(num_layers)])
-        for layer in self.layers:
-            layer.static = static
+        for i, layer in enumerate(self.layers):
+            layer.static, layer.index = static, i
 
     @property
     def capacity(self) -> int:
