@@ -6,10 +6,10 @@ the frontier, then the draft head's log-probabilities and their top k. Eager, ea
 Python around them, which on a CPU is most of a one-layer forward; compiled, each is one graph.
 
 Where (``capture_drafters``): on a compiled target off the CPU, or wherever ``SPECVIZ_DRAFTER_ENGINE=compiled``.
-Which calls go through them (``CapturedDraft.usable``): one lane on a ``SlabCache`` whose buffers exist, as for
-the target; several lanes (a stacked copy of their caches) and the first feed (which allocates the buffers) run
-eager. The graphs are compiled in ``warm``, when the drafter is built (``build_drafter``), so a bench or the tuner
-never times a compilation.
+Which calls go through them (``CapturedDraft.usable``): one lane on a ``SlabCache`` whose buffers exist, in the
+target's layout (the whole buffer, as CUDA graphs replay it, on a GPU); several lanes (a stacked copy of their
+caches) and the first feed (which allocates the buffers) run eager. The graphs are compiled in ``warm``, when the
+drafter is built (``build_drafter``), so a bench or the tuner never times a compilation.
 
 Exactness: a compiled draft may differ from the eager one in the last bits (another tree near a tie); the target
 verifies either, so lossless methods still give the target's own output (``tests/test_capture.py``).
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specviz.core.cache import SlabCache
-from specviz.core.capture import compile_forward, failure_text
+from specviz.core.capture import buffer_mask, compile_forward, default_layout, failure_text
 from specviz.core.errors import SettingsError
 
 
@@ -69,9 +69,13 @@ class _Head(nn.Module):
 
 class CapturedDraft:
     """A feature drafter's ``step`` (network over features and tokens) and ``top`` (head log-probabilities, top k)
-    compiled; ``ready`` once ``warm`` has compiled them, ``error`` where that failed (the drafter stays eager)."""
+    compiled; ``ready`` once ``warm`` has compiled them, ``error`` where that failed (the drafter stays eager).
+    ``layout`` as its target's (``core.capture``): on a GPU the step reads its cache's whole buffer and both replay
+    as CUDA graphs, whose outputs are copied out before the next replay."""
 
-    def __init__(self, net: nn.Module, frozen, device: torch.device):
+    def __init__(self, net: nn.Module, frozen, device: torch.device, layout: str | None = None):
+        self.layout = layout or default_layout(device)
+        self.graphs = device.type == "cuda" and self.layout == "buffer"
         embed, head = frozen.embedding, _Head(frozen.head)
 
         def step(feats, tokens, positions, mask, cache):
@@ -80,7 +84,7 @@ class CapturedDraft:
         def top(head_in, k: int):
             return torch.log_softmax(head(head_in).float(), dim=-1).topk(k, dim=-1)
 
-        self.step, self.top = compile_forward(step, device), compile_forward(top, device)
+        self.step, self.top = compile_forward(step, device, self.graphs), compile_forward(top, device, self.graphs)
         self.ready, self.error, self.compile_s = False, None, None
         self.calls = 0  # forwards that went through the graphs: what tests and the profile read
 
@@ -89,13 +93,26 @@ class CapturedDraft:
         return self.ready and feats.shape[0] == 1 and isinstance(cache, SlabCache) and cache.is_initialized
 
     def run_step(self, feats, tokens, positions, mask, cache):
-        cache.reserve(feats.shape[1])  # a buffer grows outside the graph, never in it
+        """``mask``: [1, 1, n, keys] over the live rows, as the eager network takes it."""
         self.calls += 1
         # contiguous: a graph is kept per input layout, and the frontier's inputs are often expanded views
-        return self.step(*(t.contiguous() for t in (feats, tokens, positions, mask)), cache)
+        feats, tokens, positions, mask = (t.contiguous() for t in (feats, tokens, positions, mask))
+        if self.layout != "buffer":
+            cache.reserve(feats.shape[1])  # a buffer grows outside the graph, never in it
+            return self.step(feats, tokens, positions, mask, cache)
+        past, n = cache.get_seq_length(), feats.shape[1]
+        with cache.slots(past, n, feats.device):
+            whole = buffer_mask(mask, past, n, cache.capacity, mask.dtype, feats.device)
+            return self._replay(self.step, feats, tokens, positions, whole, cache)
 
     def run_top(self, head_in: torch.Tensor, k: int):
-        return self.top(head_in.contiguous(), k)
+        return self._replay(self.top, head_in.contiguous(), k)
+
+    def _replay(self, fn, *args):
+        if not self.graphs:
+            return fn(*args)
+        torch.compiler.cudagraph_mark_step_begin()
+        return tuple(t.clone() for t in fn(*args))  # the next replay writes over a graph's outputs
 
     def warm(self, draft) -> bool:
         """Compile every graph a decode asks for by running ``draft()`` (the drafter's scratch decode) through them;

@@ -161,12 +161,12 @@ class Eagle2Drafter(TrainedDrafter):
         """Compiled once per target and checkpoint in a process: a drafter built again (the tuner builds one per
         budget) takes the network, head and graphs of the first. The graphs are warmed on a scratch copy, so a
         drafter in use on another thread (the app's) drafts eager until they are ready."""
-        key = (self.name, self.settings.checkpoint, repr(self.card.get("network")))
+        key = (self.name, self.settings.checkpoint, repr(self.card.get("network")), target.captured.layout)
         with CAPTURE_LOCK:  # dynamo compiles one thing at a time
             shared = shared_captures(target.model)
             if key not in shared:
                 scratch = copy.copy(self)
-                scratch.capture = CapturedDraft(self.net, self.frozen, self.device)
+                scratch.capture = CapturedDraft(self.net, self.frozen, self.device, target.captured.layout)
                 scratch.capture.warm(scratch._warm_capture)
                 shared[key] = (self.net, self.frozen, scratch.capture)
             self.net, self.frozen, self.capture = shared[key]
@@ -184,7 +184,8 @@ class Eagle2Drafter(TrainedDrafter):
         self._expand([state], 3)
 
     def start(self) -> FeatureState:
-        return FeatureState(SlabCache(1, 256))  # rollback rewinds a length, as the target's (core.cache)
+        """Rollback rewinds a length, as the target's cache (``core.cache``); static where CUDA graphs replay."""
+        return FeatureState(SlabCache(1, 256, static=self.capture is not None and self.capture.graphs))
 
     @torch.inference_mode()
     def observe(self, state: FeatureState, commit: Commit) -> None:

@@ -10,7 +10,7 @@ from fake_device import DeviceMix, FakeCuda
 from test_engine import GREEDY_BUILDERS, PROMPTS, VOCAB, RandomTreeDrafter, noisy_copy
 
 import drafters
-from conftest import make_llama
+from conftest import make_llama, session_checkpoint
 from drafters.sps import AssistantDrafter, AssistantSettings
 from specviz.core.cache import for_model
 from specviz.core.engine import generate, run
@@ -142,3 +142,18 @@ def test_cuda_graphs_decode_as_the_eager_gpu_path(greedy_on_the_cpu):
         records = generate(gpu, RandomTreeDrafter(p, greedy, seed=4), p, n, stop_on_eos=False, cache=small)
         assert [t for r in records for t in r.tokens] == greedy
         assert small.capacity > 8
+
+
+@real_gpu
+@pytest.mark.parametrize("method", ["eagle2", "fspad"])
+def test_captured_drafters_replay_as_cuda_graphs_and_stay_exact(method, target, greedy_on_the_cpu):
+    """A feature drafter on a compiled GPU target compiles its network step and head as CUDA graphs over its own
+    whole buffer (a static cache): its drafts went through them and greedy fp32 output equals the CPU's."""
+    checkpoint = str(session_checkpoint(target, method))
+    gpu = TargetModel(make_llama(VOCAB, seed=0, num_layers=4).to("cuda"))
+    gpu.use_engine("compiled")
+    drafter = drafters.build_drafter(method, gpu, checkpoint=checkpoint, depth=3, top_k=3, total_tokens=8)
+    assert drafter.capture is not None and drafter.capture.graphs and drafter.capture.ready, drafter.capture
+    for (p, n), greedy in zip(CASES, greedy_on_the_cpu):
+        assert run(gpu, drafter, p, n, stop_on_eos=False).output_ids == greedy
+    assert drafter.capture.calls > 0
