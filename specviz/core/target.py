@@ -99,7 +99,8 @@ class TargetModel:
         self.name = name
         self.config = model.config
         self.taps: tuple[int, ...] = ()  # decoder layers whose inputs follow the features
-        self.body_dtype = model.get_input_embeddings().weight.dtype  # the head may be fp32 (``prepare``)
+        self._embeddings = model.get_input_embeddings()
+        self.body_dtype = self._embeddings.weight.dtype  # the head may be fp32 (``prepare``)
         self.packed_linears = packed_count(model)
         self._norm = final_norm(model)
         # decoder then head: features without a hook (a hook on a shared module would see every thread's forwards)
@@ -110,7 +111,9 @@ class TargetModel:
     # -- properties -------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where the input embeddings are, read each time (a model may be moved after it is wrapped); not
+        ``next(model.parameters())``, which walks the module tree: tens of microseconds, several times a step."""
+        return self._embeddings.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -217,13 +220,14 @@ class TargetModel:
         """One forward over ``ids`` [B, n] at ``positions`` [B, n] after ``cache``, under ``mask`` (4D, additive;
         None: causal). Returns logits [B, n', V] (n' = ``keep`` last positions, 0: all) and features [B, n, H].
         ``captured``: compile and run this forward on it (``CapturedForward.warm``), ready or not."""
-        args = dict(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
-                    attention_mask=None if mask is None else mask.to(self.device), use_cache=True)
+        device = self.device
+        args = dict(input_ids=ids.to(device), position_ids=positions.to(device),
+                    attention_mask=None if mask is None else mask.to(device), use_cache=True)
         run = self._captured_for(ids, cache, captured)
         if run is not None and run.layout == "buffer":  # attention over the whole buffer (``core.capture``)
             past, n = cache.get_seq_length(), ids.shape[1]
-            with cache.slots(past, n, self.device):
-                args["attention_mask"] = buffer_mask(mask, past, n, cache.capacity, self.dtype, self.device)
+            with cache.slots(past, n, device):
+                args["attention_mask"] = buffer_mask(mask, past, n, cache.capacity, self.dtype, device)
                 logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
             return logits, self._features(feats, out)
         if run is not None:  # no hook inside a graph: the last hidden state is the final norm's output
