@@ -22,6 +22,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 from specviz.core.cache import SlabCache
 from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings, lanes_by_depth
 from specviz.core.target import cache_kwarg
+from specviz.core.transfer import to_device
 from specviz.core.tree import DraftTree, additive_mask
 
 from .captured import CAPTURE_LOCK, CapturedDraft, shared_captures
@@ -190,15 +191,15 @@ class Eagle2Drafter(TrainedDrafter):
     @torch.inference_mode()
     def observe(self, state: FeatureState, commit: Commit) -> None:
         nxt = torch.cat([commit.tokens[1:].cpu(), torch.tensor([commit.pending])])
-        state.queue.append((self.features(commit), nxt.to(self.device)))
+        state.queue.append((self.features(commit), to_device(nxt, self.device)))
 
     def _run(self, feats, tokens, positions, allowed, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """The network over [B, n] inputs; ``allowed`` [B, n, keys] says what each query sees in ``cache`` and
         among the n (one row per lane)."""
-        mask = additive_mask(allowed, feats.dtype)[0, 0][:, None].to(self.device)
+        mask = to_device(additive_mask(allowed, feats.dtype)[0, 0][:, None], self.device)
         if self.capture is not None and self.capture.usable(feats, cache):
-            return self.capture.run_step(feats, tokens, positions.to(self.device), mask, cache)
-        return self.net(feats, self.frozen.embed(tokens), positions.to(self.device), mask, cache)
+            return self.capture.run_step(feats, tokens, to_device(positions, self.device), mask, cache)
+        return self.net(feats, self.frozen.embed(tokens), to_device(positions, self.device), mask, cache)
 
     def _top(self, head_in: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities, draft-vocabulary ids) of the k best next tokens at each ``head_in`` row, on the CPU."""

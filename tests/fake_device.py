@@ -20,6 +20,7 @@ CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}  # with a ``device=`` argument: what may move
 SETITEM, GETITEM, COPY = torch.Tensor.__setitem__, torch.Tensor.__getitem__, torch.Tensor.copy_
 DEVICE_GETTER = torch.Tensor.device.__get__
+PIN = torch.Tensor.pin_memory  # pinned host memory is host memory: a copy (this torch may have no accelerator)
 ALLOWED = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.copy_, torch.Tensor.item,
            torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__getitem__}
 METADATA = {"_has_compatible_shallow_copy_type", "__set__"}  # module.to(): compare, then swap ``param.data``
@@ -78,6 +79,10 @@ class FakeCuda(TorchFunctionMode):
         # among its inputs goes straight through.
         if func == DEVICE_GETTER:  # a fresh method-wrapper each time: compared by ==
             return CUDA if self.on_device(args[0]) else CPU
+        if func == PIN:
+            if self.on_device(args[0]):
+                raise DeviceMix("pin_memory of a device tensor")
+            return args[0].clone()
         kwargs = kwargs or {}
         if func in MOVES or kwargs.get("device") is not None:
             target = self._target_device(func, args, kwargs)

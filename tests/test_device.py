@@ -157,3 +157,17 @@ def test_captured_drafters_replay_as_cuda_graphs_and_stay_exact(method, target, 
     for (p, n), greedy in zip(CASES, greedy_on_the_cpu):
         assert run(gpu, drafter, p, n, stop_on_eos=False).output_ids == greedy
     assert drafter.capture.calls > 0
+
+
+def test_host_tensors_go_to_the_device_through_pinned_copies(fake_cuda):
+    """``to_device``: a host tensor bound for a GPU is copied (pinned, queued), so changing it at once changes
+    nothing on the device; on the host it stays the very tensor."""
+    from specviz.core.transfer import to_device
+
+    x = torch.arange(4)
+    assert to_device(x, "cpu") is x
+    with fake_cuda:
+        moved = to_device(x, "cuda")
+        x += 10
+        assert moved.device.type == "cuda" and moved.cpu().tolist() == [0, 1, 2, 3]
+        assert to_device(moved, "cuda") is moved

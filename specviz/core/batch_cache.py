@@ -24,6 +24,8 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
+from .transfer import to_device
+
 
 class Rows:
     """What every layer of one ``BatchSlabCache`` shares: how many rows are live and each one's length."""
@@ -145,7 +147,7 @@ class BatchSlabCache(Cache):
             index = past + torch.as_tensor(rows, dtype=torch.long)
             for layer in self.layers:
                 if layer.is_initialized:
-                    layer.keep(row, past, index.to(layer.device))
+                    layer.keep(row, past, to_device(index, layer.device))
         self.rows.lengths[row] = past + len(rows)
 
     def drop(self, row: int) -> int | None:

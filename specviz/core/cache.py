@@ -38,6 +38,8 @@ import torch._dynamo
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
+from .transfer import to_device
+
 
 class BufferPool:
     """The buffer pairs of static caches' layers that are gone or grew, kept for the next cache: the next decode's
@@ -228,7 +230,7 @@ class SlabCache(Cache):
         for layer in self.layers:
             if layer.is_initialized:
                 if layer.device not in on_device:
-                    on_device[layer.device] = index.to(layer.device)
+                    on_device[layer.device] = to_device(index, layer.device)
                 layer.keep(past, on_device[layer.device])
 
 

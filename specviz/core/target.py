@@ -43,6 +43,7 @@ from .capture import (
 from .errors import SettingsError, SpecvizError
 from .packing import packed_count
 from .text import ChatText
+from .transfer import to_device
 from .tree import DraftTree
 
 
@@ -221,8 +222,8 @@ class TargetModel:
         None: causal). Returns logits [B, n', V] (n' = ``keep`` last positions, 0: all) and features [B, n, H].
         ``captured``: compile and run this forward on it (``CapturedForward.warm``), ready or not."""
         device = self.device
-        args = dict(input_ids=ids.to(device), position_ids=positions.to(device),
-                    attention_mask=None if mask is None else mask.to(device), use_cache=True)
+        args = dict(input_ids=to_device(ids, device), position_ids=to_device(positions, device),
+                    attention_mask=None if mask is None else to_device(mask, device), use_cache=True)
         run = self._captured_for(ids, cache, captured)
         if run is not None and run.layout == "buffer":  # attention over the whole buffer (``core.capture``)
             past, n = cache.get_seq_length(), ids.shape[1]
@@ -294,7 +295,7 @@ class TargetModel:
         if isinstance(cache, SlabCache):  # in place: only the accepted rows move
             cache.keep(past, keep)
             return
-        index = torch.cat([torch.arange(past), past + torch.tensor(keep)]).to(self.device)
+        index = to_device(torch.cat([torch.arange(past), past + torch.tensor(keep)]), self.device)
         for layer in cache.layers:
             if not hasattr(layer, "keys") or getattr(layer, "sliding_window", None):
                 raise TargetError(f"tree commit is not supported for cache layer {type(layer).__name__}")
