@@ -68,6 +68,8 @@ def machine_key(target: TargetModel) -> str:
              target.kernels]
     if target.engine.path != "eager":  # compiled forwards cost otherwise: their own budgets
         facts.append(f"{target.engine.path} r{CAPTURE_REVISION}")
+        if target.captured.layout != "live":  # the layout read by a CPU's budgets before it had a name
+            facts.append(f"{target.captured.layout}{' graphs' if target.captured.graphs else ''}")
         if capture_drafters(target):  # the drafters' cost too
             facts.append("drafters compiled")
     return content_key(facts)

@@ -17,7 +17,7 @@ every forward, and a tree commit had to gather the whole context again. Here eac
 **The whole-buffer layout** (``SlabCache.slots``, what a CUDA graph needs: ``core.capture``): while the cache holds
 a slot tensor, ``update`` writes the new rows at those slots and returns the whole buffers, so every tensor in the
 forward has a shape fixed by the capacity, not by the context; the caller's mask hides every row past the live ones,
-and ``advance(n)`` moves the length after the forward. Buffers start zeroed, so a hidden row is never NaN (a masked
+and the length moves once the forward is done. Buffers start zeroed, so a hidden row is never NaN (a masked
 weight of zero times NaN is still NaN).
 
 Invariant: rows ``[0, length)`` of every layer hold the keys and values of the committed sequence, in
