@@ -89,13 +89,21 @@ def test_generated_malformed_calls_each_get_a_result_or_a_message(app):
     after = rss_mb(app.proc.pid)
     assert after - before < 300, (before, after)  # the drafters built at the burst's settings (an LRU), no more
     again = [case for case in cases if not case.name.startswith("pair")]  # the burst's own settings once more
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        outcomes = list(pool.map(lambda case: call(app.url, case), again))
-    SUMMARY.add(outcomes)
-    assert [o for o in outcomes if o.failed] == [] and served(app)
-    steady = rss_mb(app.proc.pid)
-    SUMMARY.extra["rss_mb_before_after_burst_after_repeat"] = [round(before), round(after), round(steady)]
-    assert steady - after < 64, (before, after, steady)  # a repeat keeps nothing: no request leaks memory
+
+    def repeat() -> float:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            outcomes = list(pool.map(lambda case: call(app.url, case), again))
+        SUMMARY.add(outcomes)
+        assert [o for o in outcomes if o.failed] == [] and served(app)
+        return rss_mb(app.proc.pid)
+
+    steady = repeat()
+    rss = [round(before), round(after), round(steady)]
+    if steady - after >= 64:  # the allocator's arenas may still settle on a first repeat; a leak grows on every one
+        after, steady = steady, repeat()
+        rss.append(round(steady))
+    SUMMARY.extra["rss_mb_before_after_burst_after_repeats"] = rss
+    assert steady - after < 64, rss  # a repeat keeps nothing: no request leaks memory
 
 
 def test_a_well_behaved_caller_is_served_while_four_others_abuse(app):
