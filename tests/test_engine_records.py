@@ -170,3 +170,15 @@ def test_generation_fills_the_context(tiny_llama, ref_greedy):
     drafter = AssistantDrafter(target, AssistantSettings(num_tokens=5), model=target.model)
     result = run(target, drafter, prompt, n, stop_on_eos=False)
     assert result.output_ids == ref_greedy(target.model, prompt, n)
+
+
+@pytest.mark.parametrize("method", ["ar", "eagle2"])
+def test_the_display_fetches_what_hover_and_margins_fetch_apart(method, target):
+    """``display``, the app's observer, computes the hovers and the margins on the device and copies them to the
+    host at once: the records hold exactly what the two observers fill apart."""
+    together, apart = (run(target, GREEDY_BUILDERS[method](target), PROMPTS[1], NEW_TOKENS[1], stop_on_eos=False,
+                           observers=observers).records for observers in (DISPLAY, (hover, margins)))
+    assert len(together) == len(apart) and any(len(r.tree) for r in together) == (method != "ar")
+    for a, b in zip(together, apart):
+        assert torch.equal(a.node_target_p, b.node_target_p) and a.bonus_target_p == b.bonus_target_p
+        assert a.margins == b.margins and len(a.margins) == len(a.tokens)

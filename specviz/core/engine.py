@@ -20,6 +20,7 @@ from .errors import SettingsError
 from .protocol import Commit, Drafter, DraftRequest
 from .target import TargetModel, VerifyPadding
 from .timing import PhaseTimer, Timings
+from .transfer import to_device
 from .tree import DraftTree
 from .verify import Decision, Sampling, accept, probabilities
 
@@ -67,34 +68,57 @@ class Verified:
 Observer = Callable[[Verified], None]
 
 
-def hover(seen: Verified) -> None:
-    """The target's probability of each draft token given its parent and of the bonus token, as hovers
-    show it: the sampling distribution, or the softmax at T=1 when greedy."""
+def _shown_p(seen: Verified) -> torch.Tensor:
+    """On the logits' device: the target's probability of each draft token given its parent, then of the bonus."""
     r, logits = seen.record, seen.logits
     rows = torch.cat([r.tree.parents, torch.tensor([seen.keep[-1]])])
     cols = torch.cat([r.tree.tokens, torch.tensor([r.bonus])])
     # only the rows a shown token was chosen at (a tree's inner nodes): a softmax over every row of a wide tree
     # cost several per cent of its step
     need, where = torch.unique(rows, return_inverse=True)
-    part = logits[need.to(logits.device)].float()
+    part = logits[to_device(need, logits.device)].float()
     probs = torch.softmax(part, dim=-1) if seen.sampling.greedy else probabilities(part, seen.sampling)
-    shown = probs[where.to(logits.device), cols.to(logits.device)].cpu()
-    r.node_target_p, r.bonus_target_p = shown[:-1], float(shown[-1])
+    return probs[to_device(where, logits.device), to_device(cols, logits.device)]
+
+
+def _gaps(seen: Verified) -> torch.Tensor:
+    """On the logits' device: the top-1 minus top-2 logit at each kept row (fp32)."""
+    rows = seen.logits[to_device(torch.tensor(seen.keep), seen.logits.device)]
+    if rows.shape[-1] < 2:
+        return torch.full((len(seen.keep),), float("inf"), device=rows.device)
+    top = rows.topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).float()
+
+
+def _fill_hover(seen: Verified, shown: torch.Tensor) -> None:
+    seen.record.node_target_p, seen.record.bonus_target_p = shown[:-1], float(shown[-1])
+
+
+def _fill_margins(seen: Verified, gaps: list[float]) -> None:
+    seen.record.margins = gaps[: len(seen.record.tokens)]
+
+
+def hover(seen: Verified) -> None:
+    """The target's probability of each draft token given its parent and of the bonus token, as hovers
+    show it: the sampling distribution, or the softmax at T=1 when greedy."""
+    _fill_hover(seen, _shown_p(seen).cpu())
 
 
 def margins(seen: Verified) -> None:
     """Each emitted token's margin: the target's top-1 minus top-2 logit where it chose it (how close that
     choice came to a tie)."""
-    rows = seen.logits[seen.keep]
-    if rows.shape[-1] < 2:
-        gaps = [float("inf")] * len(seen.keep)
-    else:
-        top = rows.topk(2, dim=-1).values
-        gaps = (top[:, 0] - top[:, 1]).float().cpu().tolist()
-    seen.record.margins = gaps[: len(seen.record.tokens)]
+    _fill_margins(seen, _gaps(seen).cpu().tolist())
 
 
-DISPLAY: tuple[Observer, ...] = (hover, margins)  # what the app shows
+def display(seen: Verified) -> None:
+    """``hover`` and ``margins`` together, computed on the device and fetched to the host in one copy."""
+    shown = _shown_p(seen)
+    both = torch.cat([shown.float(), _gaps(seen)]).cpu()
+    _fill_hover(seen, both[: shown.numel()])
+    _fill_margins(seen, both[shown.numel():].tolist())
+
+
+DISPLAY: tuple[Observer, ...] = (display,)  # what the app shows
 
 
 def output_ids(records: list[StepRecord]) -> list[int]:
