@@ -24,7 +24,7 @@ from specviz.apps.cli import main
 from specviz.apps.methods import split_engine
 from specviz.apps.results import BenchResult
 from specviz.core.capture import EngineStatus, plain_causal_lm
-from specviz.core.engine import run
+from specviz.core.engine import generate, output_ids, run
 from specviz.core.errors import SettingsError
 from specviz.core.target import TargetModel
 
@@ -87,6 +87,24 @@ def test_compiled_commits_keep_exactly_the_accepted_rows(context, capacity, pair
     the committed sequence, through buffer growth (done before the graph, never in it)."""
     compiled, _ = pair
     commit_rounds(compiled, compiled.new_cache(capacity), random.Random(context), context, ref_logits)
+
+
+def test_no_decode_compiles_again_after_warming(pair, ref_greedy):
+    """``warm`` compiled every graph a decode asks for: decodes of other prompt lengths, capacities (a buffer that
+    grows mid-decode included), chains and tree shapes compile nothing more; each would cost seconds mid-decode."""
+    from torch._dynamo.utils import counters
+
+    compiled, _ = pair
+    before = counters["stats"]["unique_graphs"]
+    prompt = PROMPTS[1] * 3
+    reference = ref_greedy(compiled.model, prompt, 30)
+    for drafter in (build_drafter("ar", compiled), build_drafter("pld", compiled, num_tokens=3),
+                    RandomTreeDrafter(prompt, reference, seed=9, vocab=64)):
+        assert run(compiled, drafter, prompt, 30, stop_on_eos=False).output_ids == reference
+    small = compiled.new_cache(8)  # outgrown by the prompt, then twice more
+    records = generate(compiled, build_drafter("ar", compiled), PROMPTS[0], 30, stop_on_eos=False, cache=small)
+    assert output_ids(list(records)) == ref_greedy(compiled.model, PROMPTS[0], 30) and small.capacity >= 35
+    assert counters["stats"]["unique_graphs"] == before
 
 
 def test_the_cpu_graph_runs_on_packed_weights(pair):

@@ -217,11 +217,12 @@ class SlabCache(Cache):
             layer._view()
 
     def reserve(self, rows: int) -> None:
-        """Room for ``rows`` more rows in every layer now, so a compiled forward never grows a buffer inside its
-        graph (a growth there is a new graph: ``core.capture``)."""
+        """Room for ``rows`` more rows in every layer now, and one to spare, so a compiled forward never grows a
+        buffer inside its graph (a growth there is a new graph: ``core.capture``) and its live rows are never the
+        whole buffer (a view that is the whole buffer is contiguous, which dynamo compiles a graph of its own for)."""
         for layer in self.layers:
-            if layer.is_initialized and layer.length + rows > layer.capacity:
-                layer._grow(layer.length + rows)
+            if layer.is_initialized and layer.length + rows >= layer.capacity:
+                layer._grow(layer.length + rows + 1)
 
     def keep(self, past: int, rows: list[int] | torch.Tensor) -> None:
         """Keep verify rows ``rows`` (indices after ``past``, in order of the sequence) as the rows after ``past``."""

@@ -155,8 +155,8 @@ def buffer_mask(mask: torch.Tensor | None, past: int, n: int, capacity: int, dty
 def compile_forward(fn, device: torch.device, graphs: bool = False):
     """``fn`` compiled for ``device``; ``graphs``: replayed as CUDA graphs (the whole-buffer layout only)."""
     use_cache_folder()
-    # a decode asks for three graphs (one row, a chain, a tree mask), one more where a buffer is filled exactly;
-    # head room for a target whose forward specialises on more
+    # a decode asks for three graphs (one row, a chain, a tree mask; ``SlabCache.reserve`` never fills a buffer
+    # exactly, which would be a fourth); head room for a target whose forward specialises on more
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     # no guards on the modules' attributes: checking every module's hooks, types and flags costs about a millisecond
     # a forward on a 30-layer model, and a loaded target's modules do not change. Safe because each compiled
