@@ -139,10 +139,14 @@ def test_captured_feature_drafters_equal_ar(method, settings, pair, ref_greedy, 
     drafter = build_drafter(method, compiled, checkpoint=checkpoint, **settings)
     assert drafter.capture is not None and drafter.capture.ready, drafter.capture.error
     assert build_drafter(method, eager, checkpoint=checkpoint, **settings).capture is None  # the eager baseline
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
     for prompt in PROMPTS:
         result = run(compiled, drafter, prompt + prompt, 40)
         assert result.output_ids == ref_greedy(compiled.model, prompt + prompt, 40)
     assert drafter.capture.calls > 0 and sum(r.accepted for r in result.records) > 0
+    assert counters["stats"]["unique_graphs"] == graphs  # the warm-up compiled all a decode asks for
 
 
 def test_the_target_serves_eager_until_compiled(tiny_llama, ref_greedy):
