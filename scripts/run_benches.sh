@@ -4,8 +4,8 @@
 #   bash scripts/run_benches.sh STEP [STEP ...]
 # Steps: trees-mtbench trees-humaneval (tau at the shared trees, fp32) tuned-fp32 tuned-auto (speed, packed
 # linear weights) tuned-fp32-default (speed on PyTorch's default linear kernels);
-# eagle3-train (2 epochs on the shared sequences and budget, resumable, shipped when done; its saves are
-# mirrored in .train-state/ for a lost cache), then
+# eagle3-train (the shared budget, 4 epochs on the shared sequences, resumable, shipped when done; its saves are
+# mirrored in .train-state/ for a lost cache; DEVICE=cuda on a GPU, whose run is another), then
 # eagle3-mtbench eagle3-humaneval (eagle3 at the trees hass was benched at); redrafter-mtbench redrafter-humaneval
 # (ReDrafter at Medusa's node counts after prefix merging); hass-mtbench hass-humaneval (HASS trained in the
 # reference's two stages, at the shared trees).
@@ -94,10 +94,12 @@ for step in "$@"; do
       --dtype float32 --max-new-tokens 256 --methods "$TUNED" --no-pack ;;
     tuned-auto) run assets/bench/mtbench80_tuned_auto_cpu.json.xz --questions mt-bench --dtype auto \
       --max-new-tokens 256 --methods "$TUNED" ;;
-    eagle3-train) [ -f assets/drafters/eagle3/card.json ] && { echo "done: eagle3 is shipped"; continue; }
+    eagle3-train) epochs=$(python3 -c "import json; print(json.load(open('assets/drafters/eagle3/card.json'))\
+['training']['epochs'])" 2>/dev/null || echo 0)
+      [ "$epochs" = 4 ] && { echo "done: eagle3 is shipped at the shared 4 epochs"; continue; }
       keep_state & trap "kill $! 2>/dev/null" EXIT
       pinned python3 -m specviz train --drafter eagle3 --samples all --prompts all --max-prompt-tokens 512 \
-        --answer-tokens 256 --epochs 2 \
+        --answer-tokens 256 --epochs 4 --device "${DEVICE:-cpu}" \
         --feature-dtype bfloat16 --distill-dtype bfloat16 --precision bf16 --save-every 25 --resume --ship ;;
     eagle3-mtbench) run assets/bench/mtbench80_eagle3_cpu.json.xz --any-machine --questions mt-bench --dtype float32 \
       --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
