@@ -13,7 +13,7 @@ import drafters
 from conftest import make_llama, session_checkpoint
 from drafters.sps import AssistantDrafter, AssistantSettings
 from specviz.core.cache import for_model
-from specviz.core.engine import generate, run
+from specviz.core.engine import generate, output_ids, run
 from specviz.core.target import TargetModel
 from specviz.core.verify import Sampling
 
@@ -171,3 +171,25 @@ def test_host_tensors_go_to_the_device_through_pinned_copies(fake_cuda):
         x += 10
         assert moved.device.type == "cuda" and moved.cpu().tolist() == [0, 1, 2, 3]
         assert to_device(moved, "cuda") is moved
+
+
+@pytest.mark.parametrize("method, settings", [("ar", {}), ("pld", {}),
+                                              ("eagle2", dict(depth=3, top_k=3, total_tokens=8)),
+                                              ("redrafter", dict(width=3, length=3)),
+                                              ("redrafter", dict(width=3, length=3, tree_attention=0))],
+                         ids=["ar", "pld", "eagle2", "redrafter", "redrafter-apart"])
+def test_batches_decode_on_a_gpu_as_on_the_cpu(method, settings, target, fake_cuda):
+    """Batch size > 1 on the device (what a lent GPU's batch sweep runs): every sequence's greedy output equals its
+    own decode on the CPU, with a lane finishing early and the next prompt joining, and no tensor on the wrong side."""
+    from specviz.core.batch import run_batch
+
+    checkpoint = {} if method in ("ar", "pld") else {"checkpoint": str(session_checkpoint(target, method))}
+    texts, limits = [PROMPTS[0], PROMPTS[1], PROMPTS[0] + PROMPTS[1]], [12, 4, 10]
+    on_cpu = drafters.build_drafter(method, target, **checkpoint, **settings)
+    alone = [run(target, on_cpu, p, n, stop_on_eos=False).output_ids for p, n in zip(texts, limits)]
+    gpu = TargetModel(make_llama(VOCAB, seed=0, num_layers=4))
+    with fake_cuda:
+        fake_cuda.place(gpu.model)
+        drafter = drafters.build_drafter(method, gpu, **checkpoint, **settings)
+        records = run_batch(gpu, drafter, texts, limits, batch_size=2, stop_on_eos=False)
+    assert [output_ids(r) for r in records] == alone
