@@ -202,13 +202,13 @@ class Eagle2Drafter(TrainedDrafter):
         return self.net(feats, self.frozen.embed(tokens), to_device(positions, self.device), mask, cache)
 
     def _top(self, head_in: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probabilities, draft-vocabulary ids) of the k best next tokens at each ``head_in`` row, on the CPU."""
+        """(log-probabilities, draft-vocabulary ids) of the k best next tokens at each ``head_in`` row (its device)."""
         k = min(k, self.frozen.head.shape[0])
         if self.capture is not None and self.capture.ready and head_in.shape[0] == 1:
             score, tok = self.capture.run_top(head_in, k)
         else:
             score, tok = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1).topk(k, dim=-1)
-        return score.cpu(), tok.cpu()  # the bookkeeping is on the CPU
+        return score, tok  # the tree is grown on the device: the host reads it once, whole (``_tree``)
 
     def _feed(self, states: list[FeatureState]) -> None:
         """Every lane's queued committed positions through the network in one call; each lane's cache grows
@@ -255,8 +255,9 @@ class Eagle2Drafter(TrainedDrafter):
 
     def _expand(self, states: list[FeatureState], depth: int) -> list[DraftTree]:
         """EAGLE-2's dynamic tree, for every lane at once: grow the top_k best frontier nodes per depth, then
-        rerank. A lone lane grows in its own cache (cropped back after); several in a stacked copy."""
-        k, b = self.settings.top_k, len(states)
+        rerank. A lone lane grows in its own cache (cropped back after); several in a stacked copy. Every tensor of
+        the growth lives on the drafter's device, so no depth waits for the host (a GPU runs them back to back)."""
+        k, b, dev = self.settings.top_k, len(states), self.device
         accepted = [s.cache.get_seq_length() for s in states]
         width = max(accepted)
         cache = states[0].cache if b == 1 else stacked([s.cache for s in states], accepted)
@@ -265,18 +266,18 @@ class Eagle2Drafter(TrainedDrafter):
         # every candidate, level by level; a node's id is its index in the concatenation, per lane
         scores, tokens, logps, parents, depths = [score], [tok], [score], [torch.full_like(tok, -1)], [
             torch.ones_like(tok)]
-        frontier, front_tok, front_score = torch.arange(tok.shape[1]).expand(b, -1), tok, score
+        frontier, front_tok, front_score = torch.arange(tok.shape[1], device=dev).expand(b, -1), tok, score
         front_feat = feature[:, None].expand(-1, tok.shape[1], -1)
-        front_anc = torch.zeros(b, tok.shape[1], 0, dtype=torch.bool)  # fed ancestors (none below the root)
-        fed_anc = torch.zeros(b, 0, 0, dtype=torch.bool)  # ancestor-or-self among the fed tree nodes
-        count, lanes = tok.shape[1], torch.arange(b)[:, None]
+        front_anc = torch.zeros(b, tok.shape[1], 0, dtype=torch.bool, device=dev)  # fed ancestors (none yet)
+        fed_anc = torch.zeros(b, 0, 0, dtype=torch.bool, device=dev)  # ancestor-or-self among the fed tree nodes
+        count, lanes = tok.shape[1], torch.arange(b, device=dev)[:, None]
         try:
             for d in range(1, depth):
                 f0, m = fed_anc.shape[1], frontier.shape[1]
-                fed_anc = torch.cat([torch.cat([fed_anc, torch.zeros(b, f0, m, dtype=torch.bool)], dim=2),
-                                     torch.cat([front_anc, torch.eye(m, dtype=torch.bool).expand(b, m, m)], dim=2)],
-                                    dim=1)
-                allowed = torch.zeros(b, m, width + f0 + m, dtype=torch.bool)
+                fed_anc = torch.cat([torch.cat([fed_anc, fed_anc.new_zeros(b, f0, m)], dim=2),
+                                     torch.cat([front_anc, torch.eye(m, dtype=torch.bool, device=dev).expand(b, m, m)],
+                                               dim=2)], dim=1)
+                allowed = fed_anc.new_zeros(b, m, width + f0 + m)
                 for i, n in enumerate(accepted):
                     allowed[i, :, :n] = True
                 allowed[:, :, width:] = fed_anc[:, f0:]
@@ -289,7 +290,7 @@ class Eagle2Drafter(TrainedDrafter):
                 tokens.append(child_tok.reshape(b, -1))
                 logps.append(child_logp.reshape(b, -1))
                 parents.append(frontier.repeat_interleave(width_k, dim=1))
-                depths.append(torch.full((b, n_new), d + 1))
+                depths.append(torch.full((b, n_new), d + 1, device=dev))
                 best = child_score.topk(min(k, n_new), dim=1).indices
                 parent_row = best // width_k  # row of each new frontier node's parent in this level
                 frontier, front_tok, front_score = count + best, tokens[-1].gather(1, best), child_score.gather(1, best)
@@ -305,12 +306,13 @@ class Eagle2Drafter(TrainedDrafter):
         """One lane's candidates reranked: the total_tokens best, a parent always before its children."""
         key = score - 1e-4 * depths  # a parent always outranks its children
         keep, rank = key.topk(min(self.settings.total_tokens, key.numel())).indices.sort()  # ids grow with depth
-        index = torch.full((count,), -1, dtype=torch.long)
-        index[keep] = torch.arange(1, keep.numel() + 1)
+        index = torch.full((count,), -1, dtype=torch.long, device=keep.device)
+        index[keep] = torch.arange(1, keep.numel() + 1, device=keep.device)
         parent_ids = parents[keep]
         parent_input = torch.where(parent_ids < 0, torch.zeros_like(parent_ids), index[parent_ids.clamp_min(0)])
-        return DraftTree(self.frozen.vocab_map[tokens[keep]].cpu(), parent_input, logps[keep].cpu(),
-                         info={"rank": rank})
+        # the host reads the tree once: one copy of its integer columns, one of its log-probabilities
+        ints = torch.stack([self.frozen.vocab_map[tokens[keep]], parent_input, rank]).cpu()
+        return DraftTree(ints[0], ints[1], logps[keep].cpu(), info={"rank": ints[2]})
 
 
 def stacked(caches: list[DynamicCache], lengths: list[int]) -> DynamicCache:

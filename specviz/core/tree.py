@@ -17,9 +17,10 @@ _NO_TOKENS = torch.zeros(0, dtype=torch.long)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Bool [q, k] (True = may attend) -> additive float mask [1, 1, q, k]: 0 or the dtype's minimum."""
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    return mask.masked_fill_(~allowed.cpu(), torch.finfo(dtype).min)[None, None]
+    """Bool [q, k] (True = may attend) -> additive float mask [1, 1, q, k]: 0 or the dtype's minimum, on
+    ``allowed``'s device."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 class TreeError(SettingsError):
