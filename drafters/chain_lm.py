@@ -33,18 +33,22 @@ class ChainLMDrafter(Drafter):
         return ChainState(DynamicCache(config=self.model.config))
 
     @torch.inference_mode()
-    def _feed(self, state: ChainState, ids: list[int]) -> torch.Tensor:
-        start = len(state.cached)
-        device = next(self.model.parameters()).device
+    def _forward(self, start: int, ids: torch.Tensor, cache) -> torch.Tensor:
+        """fp32 logits [V] after ``ids`` [1, n] (on the model's device) at positions ``start...``, on the device."""
         out = self.model(
-            input_ids=torch.tensor([ids], device=device),
-            position_ids=torch.arange(start, start + len(ids), device=device)[None],
-            **cache_kwarg(self.model, state.cache),
+            input_ids=ids,
+            position_ids=torch.arange(start, start + ids.shape[1], device=ids.device)[None],
+            **cache_kwarg(self.model, cache),
             use_cache=True,
             logits_to_keep=1,
         )
+        return out.logits[0, -1, : self.target_vocab].float()
+
+    def _feed(self, state: ChainState, ids: list[int]) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        logits = self._forward(len(state.cached), torch.tensor([ids], device=device), state.cache)
         state.cached += ids
-        return out.logits[0, -1, : self.target_vocab].float().cpu()
+        return logits
 
     def _sync(self, state: ChainState, tokens: list[int]) -> torch.Tensor:
         """Drop cached tokens that left the sequence, feed the new ones; logits after the last."""
@@ -61,20 +65,39 @@ class ChainLMDrafter(Drafter):
     def propose(self, state: ChainState, request: DraftRequest) -> DraftTree:
         depth = min(self.num_tokens, request.max_depth)
         logits = self._sync(state, request.tokens)
+        if request.sampling.greedy:
+            return self._greedy_chain(state, logits, depth)
         drafted, logps, dists = [], [], []
-        for i in range(depth):
+        for i in range(depth):  # sampled with the request's CPU generator: on the host
+            logits = logits.cpu()
             q = probabilities(logits, request.sampling)
-            tok = (int(q.argmax()) if request.sampling.greedy
-                   else int(torch.multinomial(q, 1, generator=request.generator)))
+            tok = int(torch.multinomial(q, 1, generator=request.generator))
             drafted.append(tok)
             logps.append(torch.log_softmax(logits, -1)[tok])
             dists.append(q)
             if i + 1 < depth:
                 logits = self._feed(state, [tok])
-        if request.sampling.greedy or not drafted:
+        if not drafted:
             return DraftTree.chain(drafted, torch.tensor(logps))
         dists.append(torch.zeros_like(dists[0]))  # the last node has no children
         return DraftTree.chain(drafted, torch.stack(logps), torch.stack(dists))
+
+    @torch.inference_mode()
+    def _greedy_chain(self, state: ChainState, logits: torch.Tensor, depth: int) -> DraftTree:
+        """Each token the argmax of the last, fed back on the device; the host reads the chain once, at the end
+        (on a GPU no token waits for the host)."""
+        tokens, logps = [], []
+        for i in range(depth):
+            tok = logits.argmax().view(1, 1)
+            tokens.append(tok)
+            logps.append(torch.log_softmax(logits, -1)[tok[0, 0]])
+            if i + 1 < depth:
+                logits = self._forward(len(state.cached) + i, tok, state.cache)
+        if not tokens:
+            return DraftTree.chain([], torch.zeros(0))
+        drafted = torch.cat(tokens).view(-1).tolist()
+        state.cached += drafted[:-1]  # the fed ones: all but the last
+        return DraftTree.chain(drafted, torch.stack(logps).cpu())
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
