@@ -18,6 +18,7 @@ from torch import nn
 
 from specviz.core.errors import SettingsError
 from specviz.core.protocol import BudgetGrid, Drafter, DraftRequest, Settings
+from specviz.core.transfer import to_device
 from specviz.core.tree import DraftTree
 
 from .heads import DEPTH, HeadDrafter, HeadState, ResBlock
@@ -124,6 +125,6 @@ class MedusaDrafter(HeadDrafter):
         logp = torch.log_softmax(self.net.logits(head_in, self.frozen).float(), dim=-1)  # [depth, V']
         top_logp, top = logp.topk(self.settings.top_k, dim=-1)
         n = int((self.depth_of < depth).sum())  # choices are sorted by length: the shallow ones come first
-        d, r = self.depth_of[:n].to(top.device), self.rank_of[:n].to(top.device)
+        d, r = to_device(self.depth_of[:n], top.device), to_device(self.rank_of[:n], top.device)
         return DraftTree(self.frozen.vocab_map[top[d, r]].cpu(), self.parent_of[:n], top_logp[d, r].cpu(), None,
                          {"choices": self.choices[:n], "rank": self.keep_order[:n]})
