@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from specviz.core.protocol import Drafter, DraftRequest
 from specviz.core.target import cache_kwarg
+from specviz.core.transfer import to_device
 from specviz.core.tree import DraftTree
 from specviz.core.verify import probabilities
 
@@ -46,7 +47,7 @@ class ChainLMDrafter(Drafter):
 
     def _feed(self, state: ChainState, ids: list[int]) -> torch.Tensor:
         device = next(self.model.parameters()).device
-        logits = self._forward(len(state.cached), torch.tensor([ids], device=device), state.cache)
+        logits = self._forward(len(state.cached), to_device(torch.tensor([ids]), device), state.cache)
         state.cached += ids
         return logits
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from specviz.core.errors import SettingsError
 from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings, lanes_by_depth
+from specviz.core.transfer import to_device
 from specviz.core.tree import DraftTree
 
 from .trained import TrainedDrafter
@@ -49,7 +50,7 @@ def beam_search(net, frozen, x: torch.Tensor, root: int, width: int, length: int
     """The ``width`` best drafts of ``length`` tokens after ``root`` by total log-prob (standard beam search).
 
     Returns beams [W, L] as target token ids and each token's draft log-prob [W, L]."""
-    beams, logps = beam_search_batch(net, frozen, x, torch.tensor([root], device=x.device), width, length)
+    beams, logps = beam_search_batch(net, frozen, x, to_device(torch.tensor([root]), x.device), width, length)
     return beams[0], logps[0]
 
 
@@ -151,7 +152,7 @@ class HeadDrafter(TrainedDrafter):
         trees: list[DraftTree] = [DraftTree.empty()] * len(states)
         for length, lanes in lanes_by_depth(states, requests, self.settings.length, lambda s: s.x is not None).items():
             x = torch.cat([states[i].x for i in lanes])
-            roots = torch.tensor([states[i].root for i in lanes], device=x.device)
+            roots = to_device(torch.tensor([states[i].root for i in lanes]), x.device)
             beams, logps = beam_search_batch(self.net, self.frozen, x, roots, self.settings.width, length)
             for k, i in enumerate(lanes):
                 trees[i] = self._tree(beams[k], logps[k])
