@@ -183,7 +183,8 @@ def settle(drafter: Drafter, decode: Decode, tree: DraftTree, logits: torch.Tens
         else:
             commit(keep)
             top = logits.argmax(-1).cpu() if drafter.reads_verified_top else None
-            done = Commit(inputs[keep], feats[keep], result.bonus, top)
+            rows = torch.tensor(keep)  # a list index into a device tensor would be copied over blocking
+            done = Commit(inputs[rows], feats[to_device(rows, feats.device)], result.bonus, top)
             new = done.tokens[1:].tolist() + [result.bonus]
     with timer("draft"):
         drafter.observe(decode.state, done)
