@@ -72,6 +72,7 @@ keep_state() {  # the cache may not survive a session: mirror each run's last wh
     for state in "$runs"/*/state; do
       [ -f "$state/progress.json" ] || continue
       name=$(basename "$(dirname "$state")"); inode=$(stat -c %i "$state")
+      cmp -s "$state/progress.json" "$mirror/$name/state/progress.json" 2>/dev/null && continue  # mirrored already
       rm -rf "$mirror/$name.partial"; mkdir -p "$mirror/$name.partial"
       cp -r "$state" "$mirror/$name.partial/" 2>/dev/null || continue
       [ "$(stat -c %i "$state" 2>/dev/null)" = "$inode" ] || continue  # a save was swapped in meanwhile
