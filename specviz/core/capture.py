@@ -211,7 +211,7 @@ class CapturedForward:
     @property
     def status(self) -> EngineStatus:
         if self.ready:
-            how = {True: "CUDA graphs, ", False: "whole buffer, " if self.layout == "buffer" else ""}[self.graphs]
+            how = "CUDA graphs, " if self.graphs else "whole buffer, " if self.layout == "buffer" else ""
             return EngineStatus("compiled", f"{how}compiled in {self.compile_s:.0f} s")
         if self.error is not None:
             return EngineStatus("eager", f"compilation failed: {self.error}")

@@ -227,8 +227,9 @@ class TargetModel:
         run = self._captured_for(ids, cache, captured)
         if run is not None and run.layout == "buffer":  # attention over the whole buffer (``core.capture``)
             past, n = cache.get_seq_length(), ids.shape[1]
-            with cache.slots(past, n, device):
-                args["attention_mask"] = buffer_mask(mask, past, n, cache.capacity, self.dtype, device)
+            with cache.slots(past, n, device):  # the mask, on the device already, padded to the buffer
+                live = args["attention_mask"]
+                args["attention_mask"] = buffer_mask(live, past, n, cache.capacity, self.dtype, device)
                 logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
             return logits, self._features(feats, out)
         if run is not None:  # no hook inside a graph: the last hidden state is the final norm's output
