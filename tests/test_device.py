@@ -193,3 +193,53 @@ def test_batches_decode_on_a_gpu_as_on_the_cpu(method, settings, target, fake_cu
         drafter = drafters.build_drafter(method, gpu, **checkpoint, **settings)
         records = run_batch(gpu, drafter, texts, limits, batch_size=2, stop_on_eos=False)
     assert [output_ids(r) for r in records] == alone
+
+
+@real_gpu
+def test_phase_times_on_a_gpu_come_from_events_and_add_up(greedy_on_the_cpu):
+    """On CUDA a step's phases are timed by events read once a step: every step's verify took time, drafting took
+    time where there was a draft, and no step's phases add up to more than the run's wall time."""
+    gpu = TargetModel(make_llama(VOCAB, seed=0, num_layers=4).to("cuda"))
+    (p, n), greedy = CASES[1], greedy_on_the_cpu[1]
+    result = run(gpu, build("pld", gpu), p, n, stop_on_eos=False)
+    assert result.output_ids == greedy
+    assert all(r.timings.verify > 0 for r in result.records)
+    assert all(r.timings.draft > 0 for r in result.records if len(r.tree))
+    assert 0 < sum(r.timings.total for r in result.records) <= result.wall_s
+
+
+def test_event_timed_phases_are_read_once_a_step(monkeypatch):
+    """The CUDA timer's bookkeeping, with events on a made-up clock: phases queue their events without waiting,
+    the first read of the timings waits once (for the last event) and charges each phase its span, and phases
+    timed after a read are charged at the next."""
+    from specviz.core.timing import PhaseTimer
+
+    clock, waits = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = clock[0]
+
+        def synchronize(self):
+            waits.append(self)
+
+        def elapsed_time(self, end) -> float:  # milliseconds, as CUDA's
+            return 1000 * (end.at - self.at)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timer = PhaseTimer("cuda:0")
+    for phase, span in (("draft", 0.25), ("verify", 0.5), ("draft", 0.125)):
+        with timer(phase):
+            clock[0] += span
+        clock[0] += 1.0  # between phases: charged to none
+    assert waits == []
+    timings = timer.timings
+    assert len(waits) == 1 and (timings.draft, timings.verify, timings.accept) == (0.375, 0.5, 0.0)
+    with timer("accept"):
+        clock[0] += 0.0625
+    assert timer.timings.accept == 0.0625 and timer.timings is timings and len(waits) == 2
