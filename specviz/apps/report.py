@@ -97,7 +97,8 @@ def _reliability_section(name: str, d: dict) -> str:
             f"{d['huge_prompt_refused_s'] * 1000:.0f} ms amid the abuse ({extra.get('huge_prompts_refused', '?')} of "
             "them); the "
             "app's resident memory before the burst of generated calls, after it, and after its single-fault "
-            f"calls were sent again: {extra.get('rss_mb_before_after_burst_after_repeat', '?')} MB.")
+            "calls were sent again (a second time where the first repeat grew by 64 MB or more): "
+            f"{extra.get('rss_mb_before_after_burst_after_repeats', '?')} MB.")
 
 
 def _bench_section(name: str, result: BenchResult) -> str:
