@@ -182,7 +182,9 @@ def settle(drafter: Drafter, decode: Decode, tree: DraftTree, logits: torch.Tens
             new = [result.bonus]
         else:
             commit(keep)
-            top = logits.argmax(-1).cpu() if drafter.reads_verified_top else None
+            top = None
+            if drafter.reads_verified_top:  # the greedy rule has read it already: no second copy from the device
+                top = torch.tensor(result.top) if result.top is not None else logits.argmax(-1).cpu()
             rows = torch.tensor(keep)  # a list index into a device tensor would be copied over blocking
             done = Commit(inputs[rows], feats[to_device(rows, feats.device)], result.bonus, top)
             new = done.tokens[1:].tolist() + [result.bonus]

@@ -124,6 +124,7 @@ class Acceptance:
     path: list[int]  # accepted input indices (root excluded), in depth order
     bonus: int  # token the target adds after the path
     decisions: list[Decision] = field(default_factory=list, compare=False)  # each node examined (not typical)
+    top: list[int] | None = field(default=None, compare=False)  # the target's argmax at each input (greedy only)
 
 
 def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None = None,
@@ -158,7 +159,7 @@ def _greedy(tree: DraftTree, logits: torch.Tensor, explain: bool = False) -> Acc
                 hit = tokens[child - 1] == best[node]
                 decisions.append(Decision(child, float(hit), 1.0, None, hit))
         if nxt is None:
-            return Acceptance(path, best[node], decisions)
+            return Acceptance(path, best[node], decisions, best)
         path.append(nxt)
         node = nxt
 
