@@ -93,20 +93,37 @@ class CapturedDraft:
         return self.ready and feats.shape[0] == 1 and isinstance(cache, SlabCache) and cache.is_initialized
 
     def run_step(self, feats, tokens, positions, mask, cache):
-        """``mask``: [1, 1, n, keys] over the live rows, as the eager network takes it."""
+        """``mask``: [1, 1, n, keys] over the live rows, as the eager network takes it. None where the graph broke
+        (``fail``): the caller runs the eager network instead, on the cache as it was."""
         self.calls += 1
         # contiguous: a graph is kept per input layout, and the frontier's inputs are often expanded views
         feats, tokens, positions, mask = (t.contiguous() for t in (feats, tokens, positions, mask))
-        if self.layout != "buffer":
-            cache.reserve(feats.shape[1])  # a buffer grows outside the graph, never in it
-            return self.step(feats, tokens, positions, mask, cache)
         past, n = cache.get_seq_length(), feats.shape[1]
-        with cache.slots(past, n, feats.device):
-            whole = buffer_mask(mask, past, n, cache.capacity, mask.dtype, feats.device)
-            return self._replay(self.step, feats, tokens, positions, whole, cache)
+        try:
+            if self.layout != "buffer":
+                cache.reserve(n)  # a buffer grows outside the graph, never in it
+                return self.step(feats, tokens, positions, mask, cache)
+            with cache.slots(past, n, feats.device):
+                whole = buffer_mask(mask, past, n, cache.capacity, mask.dtype, feats.device)
+                return self._replay(self.step, feats, tokens, positions, whole, cache)
+        except Exception as e:  # noqa: BLE001 - whatever broke the graph: draft on eagerly, saying why
+            if cache.get_seq_length() > past:
+                cache.crop(past - cache.get_seq_length())
+            self.fail(e)
+            return None
 
     def run_top(self, head_in: torch.Tensor, k: int):
-        return self._replay(self.top, head_in.contiguous(), k)
+        """As ``run_step``: None where the graph broke."""
+        try:
+            return self._replay(self.top, head_in.contiguous(), k)
+        except Exception as e:  # noqa: BLE001 - as in run_step
+            self.fail(e)
+            return None
+
+    def fail(self, error: Exception) -> None:
+        """A graph broke: the drafter drafts eagerly from here on, and says why."""
+        self.ready, self.error = False, f"failed while drafting: {failure_text(error)}"
+        warnings.warn(f"the drafter's compiled forwards stopped: {self.error}", stacklevel=3)
 
     def _replay(self, fn, *args):
         if not self.graphs:
@@ -125,6 +142,7 @@ class CapturedDraft:
         except Exception as e:  # noqa: BLE001 - any failure means: stay eager, say why
             self.ready = False
             self.error = failure_text(e)
+        if not self.ready:  # failed, here or inside a forward (``fail``)
             warnings.warn(f"the drafter's forwards stay eager: {self.error}", stacklevel=2)
             return False
         self.compile_s = time.perf_counter() - start

@@ -197,17 +197,20 @@ class Eagle2Drafter(TrainedDrafter):
         """The network over [B, n] inputs; ``allowed`` [B, n, keys] says what each query sees in ``cache`` and
         among the n (one row per lane)."""
         mask = to_device(additive_mask(allowed, feats.dtype)[0, 0][:, None], self.device)
+        positions = to_device(positions, self.device)
         if self.capture is not None and self.capture.usable(feats, cache):
-            return self.capture.run_step(feats, tokens, to_device(positions, self.device), mask, cache)
-        return self.net(feats, self.frozen.embed(tokens), to_device(positions, self.device), mask, cache)
+            out = self.capture.run_step(feats, tokens, positions, mask, cache)
+            if out is not None:  # None: the graph broke, and the drafter drafts eagerly from now on
+                return out
+        return self.net(feats, self.frozen.embed(tokens), positions, mask, cache)
 
     def _top(self, head_in: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities, draft-vocabulary ids) of the k best next tokens at each ``head_in`` row (its device)."""
         k = min(k, self.frozen.head.shape[0])
+        top = None
         if self.capture is not None and self.capture.ready and head_in.shape[0] == 1:
-            score, tok = self.capture.run_top(head_in, k)
-        else:
-            score, tok = torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1).topk(k, dim=-1)
+            top = self.capture.run_top(head_in, k)  # None where the graph broke
+        score, tok = top or torch.log_softmax(self.frozen.logits(head_in).float(), dim=-1).topk(k, dim=-1)
         return score, tok  # the tree is grown on the device: the host reads it once, whole (``_tree``)
 
     def _feed(self, states: list[FeatureState]) -> None:

@@ -105,6 +105,29 @@ def test_no_decode_compiles_again_after_warming(pair, ref_greedy):
     records = generate(compiled, build_drafter("ar", compiled), PROMPTS[0], 30, stop_on_eos=False, cache=small)
     assert output_ids(list(records)) == ref_greedy(compiled.model, PROMPTS[0], 30) and small.capacity >= 35
     assert counters["stats"]["unique_graphs"] == before
+    assert compiled.engine.path == "compiled", compiled.engine  # and none of it fell back to the eager path
+
+
+def test_a_compiled_forward_that_breaks_mid_decode_hands_over_to_the_eager_path(tiny_llama, ref_greedy):
+    """Whatever breaks a compiled forward while decoding (a CUDA graph the driver refuses, say) costs no output: that
+    forward and the rest run eager, exactly, the cache as it was, and the status says what happened."""
+    target = TargetModel(tiny_llama(vocab_size=64, seed=6))
+    assert target.use_engine("compiled").path == "compiled"
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("the graph could not be replayed")
+
+    prompt = PROMPTS[1]
+    records = generate(target, build_drafter("pld", target), prompt + prompt, 30, stop_on_eos=False)
+    first = [next(records), next(records)]  # the prefill (eager), then a step on the compiled path
+    target.captured._fn = broken
+    rest = list(records)
+    assert output_ids(first + rest) == ref_greedy(target.model, prompt + prompt, 30)
+    assert calls == [1] and target.engine.path == "eager"
+    detail = "the compiled path failed while decoding: RuntimeError: the graph could not be replayed"
+    assert target.engine.detail == detail
 
 
 def test_the_cpu_graph_runs_on_packed_weights(pair):
@@ -147,6 +170,29 @@ def test_captured_feature_drafters_equal_ar(method, settings, pair, ref_greedy, 
         assert result.output_ids == ref_greedy(compiled.model, prompt + prompt, 40)
     assert drafter.capture.calls > 0 and sum(r.accepted for r in result.records) > 0
     assert counters["stats"]["unique_graphs"] == graphs  # the warm-up compiled all a decode asks for
+
+
+def test_a_captured_drafter_that_breaks_mid_decode_drafts_on_eagerly(pair, ref_greedy, monkeypatch):
+    """A drafter graph that breaks while drafting costs no output: the drafter drafts on eagerly, from the cache as
+    it was, and says why (the shared capture is restored after the test)."""
+    compiled, eager = pair
+    monkeypatch.setenv("SPECVIZ_DRAFTER_ENGINE", "compiled")
+    drafter = build_drafter("eagle2", compiled, checkpoint=str(session_checkpoint(eager, "eagle2")), depth=3,
+                            top_k=3, total_tokens=8)
+    capture, calls = drafter.capture, []
+    for name in ("ready", "error", "step"):  # monkeypatch puts each back after the test
+        monkeypatch.setattr(capture, name, getattr(capture, name))
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("the graph could not be replayed")
+
+    monkeypatch.setattr(capture, "step", broken)
+    prompt = PROMPTS[1] + PROMPTS[1]
+    with pytest.warns(UserWarning, match="failed while drafting: RuntimeError"):
+        result = run(compiled, drafter, prompt, 30, stop_on_eos=False)
+    assert result.output_ids == ref_greedy(compiled.model, prompt, 30)
+    assert calls == [1] and not capture.ready and sum(r.accepted for r in result.records) > 0
 
 
 def test_the_target_serves_eager_until_compiled(tiny_llama, ref_greedy):

@@ -208,13 +208,18 @@ class CapturedForward:
                 out = type(out)(logits=logits, hidden_states=tuple(h.clone() for h in out.hidden_states))
         return logits, hidden, out
 
+    def fail(self, error: Exception) -> None:
+        """A compiled forward broke while decoding: the target goes back to the eager path, and says why."""
+        self.ready, self.error = False, f"failed while decoding: {failure_text(error)}"
+
     @property
     def status(self) -> EngineStatus:
         if self.ready:
             how = "CUDA graphs, " if self.graphs else "whole buffer, " if self.layout == "buffer" else ""
             return EngineStatus("compiled", f"{how}compiled in {self.compile_s:.0f} s")
         if self.error is not None:
-            return EngineStatus("eager", f"compilation failed: {self.error}")
+            how = "the compiled path " if self.error.startswith("failed while") else "compilation failed: "
+            return EngineStatus("eager", how + self.error)
         return EngineStatus("eager", "compiling; eager until ready", compiling=True)
 
     def warm(self, target, sizes: tuple[int, ...] = (1, 2)) -> bool:

@@ -225,17 +225,16 @@ class TargetModel:
         args = dict(input_ids=to_device(ids, device), position_ids=to_device(positions, device),
                     attention_mask=None if mask is None else to_device(mask, device), use_cache=True)
         run = self._captured_for(ids, cache, captured)
-        if run is not None and run.layout == "buffer":  # attention over the whole buffer (``core.capture``)
-            past, n = cache.get_seq_length(), ids.shape[1]
-            with cache.slots(past, n, device):  # the mask, on the device already, padded to the buffer
-                live = args["attention_mask"]
-                args["attention_mask"] = buffer_mask(live, past, n, cache.capacity, self.dtype, device)
-                logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
-            return logits, self._features(feats, out)
-        if run is not None:  # no hook inside a graph: the last hidden state is the final norm's output
-            cache.reserve(ids.shape[1])
-            logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
-            return logits, self._features(feats, out)
+        if run is not None:
+            past = cache.get_seq_length()
+            try:
+                return self._forward_captured(run, args, cache, keep)
+            except Exception as e:  # noqa: BLE001 - whatever broke the graph: decode on eagerly, saying why
+                if captured is not None:  # warming it: the warm-up keeps the failure
+                    raise
+                run.fail(e)
+                if cache.get_seq_length() > past:
+                    cache.crop(past - cache.get_seq_length())
         if self._plain is not None and not self.taps:
             return self._plain(keep=keep, **args, **cache_kwarg(self._plain.decoder, cache))
         args.update(cache_kwarg(self.model, cache), logits_to_keep=keep)
@@ -249,6 +248,20 @@ class TargetModel:
                 hook.remove()
         # transformers' last hidden state is normed
         return out.logits, self._features(captured_norm[-1] if hook is not None else out.hidden_states[-1], out)
+
+    def _forward_captured(self, run: CapturedForward, args: dict, cache: Cache, keep: int):
+        """``forward_rows`` on the compiled forward ``run``; ``args`` on the device. No hook inside a graph: the
+        last hidden state is the final norm's output."""
+        n, device = args["input_ids"].shape[1], args["input_ids"].device
+        if run.layout != "buffer":
+            cache.reserve(n)
+            logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
+            return logits, self._features(feats, out)
+        past = cache.get_seq_length()  # attention over the whole buffer (``core.capture``)
+        with cache.slots(past, n, device):
+            mask = buffer_mask(args["attention_mask"], past, n, cache.capacity, self.dtype, device)
+            logits, feats, out = run(keep, **{**args, "attention_mask": mask}, **cache_kwarg(run.module, cache))
+        return logits, self._features(feats, out)
 
     def _features(self, feats: torch.Tensor, out) -> torch.Tensor:
         if self.taps:  # hidden_states[i] is the input of layer i (entry 0: the embeddings)
