@@ -102,10 +102,10 @@ for step in "$@"; do
       pinned python3 -m specviz train --drafter eagle3 --samples all --prompts all --max-prompt-tokens 512 \
         --answer-tokens 256 --epochs 4 --device "${DEVICE:-cpu}" \
         --feature-dtype bfloat16 --distill-dtype bfloat16 --precision bf16 --save-every 25 --resume --ship ;;
-    eagle3-mtbench) run assets/bench/mtbench80_eagle3_cpu.json.xz --any-machine --questions mt-bench --dtype float32 \
-      --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
-    eagle3-humaneval) run assets/bench/humaneval40_eagle3_cpu.json.xz --any-machine --questions humaneval --limit 40 \
-      --dtype float32 --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
+    eagle3-mtbench) run assets/bench/mtbench80_eagle3_4ep_cpu.json.xz --any-machine --questions mt-bench \
+      --dtype float32 --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;  # the 4-epoch checkpoint's
+    eagle3-humaneval) run assets/bench/humaneval40_eagle3_4ep_cpu.json.xz --any-machine --questions humaneval \
+      --limit 40 --dtype float32 --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
     hass-mtbench) run assets/bench/mtbench80_hass_two_stage_cpu.json.xz --any-machine --questions mt-bench \
       --dtype float32 --max-new-tokens 256 --methods "$HASS" --update-cards ;;
     hass-humaneval) run assets/bench/humaneval40_hass_two_stage_cpu.json.xz --any-machine --questions humaneval \
