@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specviz.core.cache import SlabCache
-from specviz.core.capture import buffer_mask, compile_forward, default_layout, failure_text
+from specviz.core.capture import compile_forward, default_layout, failure_text, run_graph
 from specviz.core.errors import SettingsError
 
 
@@ -103,9 +103,8 @@ class CapturedDraft:
             if self.layout != "buffer":
                 cache.reserve(n)  # a buffer grows outside the graph, never in it
                 return self.step(feats, tokens, positions, mask, cache)
-            with cache.slots(past, n, feats.device):
-                whole = buffer_mask(mask, past, n, cache.capacity, mask.dtype, feats.device)
-                return self._replay(self.step, feats, tokens, positions, whole, cache)
+            with cache.slots(n, mask, mask.dtype, feats.device) as whole:
+                return run_graph(self.step, self.graphs, feats, tokens, positions, whole, cache)
         except Exception as e:  # noqa: BLE001 - whatever broke the graph: draft on eagerly, saying why
             if cache.get_seq_length() > past:
                 cache.crop(past - cache.get_seq_length())
@@ -115,7 +114,7 @@ class CapturedDraft:
     def run_top(self, head_in: torch.Tensor, k: int):
         """As ``run_step``: None where the graph broke."""
         try:
-            return self._replay(self.top, head_in.contiguous(), k)
+            return run_graph(self.top, self.graphs, head_in.contiguous(), k)
         except Exception as e:  # noqa: BLE001 - as in run_step
             self.fail(e)
             return None
@@ -124,12 +123,6 @@ class CapturedDraft:
         """A graph broke: the drafter drafts eagerly from here on, and says why."""
         self.ready, self.error = False, f"failed while drafting: {failure_text(error)}"
         warnings.warn(f"the drafter's compiled forwards stopped: {self.error}", stacklevel=3)
-
-    def _replay(self, fn, *args):
-        if not self.graphs:
-            return fn(*args)
-        torch.compiler.cudagraph_mark_step_begin()
-        return tuple(t.clone() for t in fn(*args))  # the next replay writes over a graph's outputs
 
     def warm(self, draft) -> bool:
         """Compile every graph a decode asks for by running ``draft()`` (the drafter's scratch decode) through them;

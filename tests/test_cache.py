@@ -153,19 +153,24 @@ def test_the_whole_buffer_layout_commits_exactly_the_accepted_rows(context, capa
 
 
 def test_slots_move_the_length_only_after_a_forward_that_ran():
-    """Inside ``slots`` the length stands still and ``update`` returns whole buffers; it moves by n after, not
-    when the forward fails; slots after the wrong length are refused."""
+    """Inside ``slots`` the length stands still, ``update`` returns whole buffers and the mask handed to the forward
+    covers the whole buffer, hiding every row past the live ones and the new; the length moves by n after, not when
+    the forward fails."""
+    cpu, low = torch.device("cpu"), torch.finfo(torch.float32).min
     cache = SlabCache(1, 8)
     cache.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2), 0)
-    with cache.slots(3, 2, torch.device("cpu")):
+    with cache.slots(2, None, torch.float32, cpu) as mask:
         keys, _ = cache.update(torch.full((1, 1, 2, 2), 5.0), torch.zeros(1, 1, 2, 2), 0)
-        assert keys.shape[2] == 8 and cache.get_seq_length() == 3
+        assert keys.shape[2] == mask.shape[3] == cache.capacity and cache.get_seq_length() == 3
+        assert (mask[0, 0] == 0).tolist() == [[True] * 4 + [False] * (cache.capacity - 4),
+                                              [True] * 5 + [False] * (cache.capacity - 5)]  # causal after 3 rows
     assert cache.get_seq_length() == 5 and cache.layers[0].keys[0, 0, :, 0].tolist() == [1, 1, 1, 5, 5]
-    with pytest.raises(RuntimeError), cache.slots(5, 1, torch.device("cpu")):
+    tree = torch.tensor([[0.0] * 5 + [low, 0.0]])[None, None]  # one new row that skips the last live one
+    with pytest.raises(RuntimeError), cache.slots(2, torch.cat([tree, tree], 2), torch.float32, cpu) as mask:
+        assert mask.shape == (1, 1, 2, cache.capacity) and bool((mask[..., 7:] == low).all())
+        assert mask[0, 0, 0, :7].tolist() == tree[0, 0, 0].tolist()
         raise RuntimeError("the forward failed")
     assert cache.get_seq_length() == 5 and cache.layers[0].slots is None
-    with pytest.raises(ValueError, match="holds 5"), cache.slots(4, 1, torch.device("cpu")):
-        pass
 
 
 def test_static_caches_take_the_buffers_of_those_gone_layer_by_layer(monkeypatch):

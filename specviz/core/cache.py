@@ -16,9 +16,9 @@ every forward, and a tree commit had to gather the whole context again. Here eac
 
 **The whole-buffer layout** (``SlabCache.slots``, what a CUDA graph needs: ``core.capture``): while the cache holds
 a slot tensor, ``update`` writes the new rows at those slots and returns the whole buffers, so every tensor in the
-forward has a shape fixed by the capacity, not by the context; the caller's mask hides every row past the live ones,
-and the length moves once the forward is done. Buffers start zeroed, so a hidden row is never NaN (a masked
-weight of zero times NaN is still NaN).
+forward has a shape fixed by the capacity, not by the context; ``slots`` hands the forward its mask padded to the
+capacity (every row past the live ones hidden), and the length moves once the forward is done. Buffers start
+zeroed, so a hidden row is never NaN (a masked weight of zero times NaN is still NaN).
 
 Invariant: rows ``[0, length)`` of every layer hold the keys and values of the committed sequence, in
 order; rows at or after ``length`` are stale and never read.
@@ -198,17 +198,18 @@ class SlabCache(Cache):
         return min(layer.capacity for layer in self.layers)
 
     @contextlib.contextmanager
-    def slots(self, past: int, n: int, device: torch.device):
-        """The whole-buffer layout for one forward of ``n`` rows after ``past`` (= the length): ``update`` writes
-        at ``past, ..., past+n-1`` and returns whole buffers; the length moves by ``n`` once the forward is done."""
-        if past != self.get_seq_length():
-            raise ValueError(f"slots after {past} rows, but the cache holds {self.get_seq_length()}")
+    def slots(self, n: int, mask: torch.Tensor | None, dtype: torch.dtype, device: torch.device):
+        """The whole-buffer layout for one forward of ``n`` rows after the live ones: ``update`` writes them at
+        ``length, ..., length+n-1`` and returns whole buffers; yields ``mask`` (over the live rows and the n, as a
+        live-row forward takes it; None: causal) padded to the buffer (``buffer_mask``). The length moves by ``n``
+        once the forward is done, not where it failed."""
+        past = self.get_seq_length()
         self.reserve(n)  # no growth inside the forward: a graph's buffers keep their shape
         slots = torch.arange(past, past + n, device=device)
         for layer in self.layers:
             layer.slots = slots
         try:
-            yield
+            yield buffer_mask(mask, past, n, self.capacity, dtype, device)
         finally:
             for layer in self.layers:
                 layer.slots = None
@@ -233,6 +234,17 @@ class SlabCache(Cache):
                 if layer.device not in on_device:
                     on_device[layer.device] = to_device(index, layer.device)
                 layer.keep(past, on_device[layer.device])
+
+
+def buffer_mask(mask: torch.Tensor | None, past: int, n: int, capacity: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """The whole-buffer layout's mask, [1, 1, n, capacity], additive: ``mask`` over the live rows ([1, 1, n, past+n];
+    None: causal) and every row after them hidden. Built on ``device``."""
+    low = torch.finfo(dtype).min
+    if mask is None:
+        seen = torch.arange(capacity, device=device) <= past + torch.arange(n, device=device)[:, None]
+        return torch.zeros(n, capacity, dtype=dtype, device=device).masked_fill_(~seen, low)[None, None]
+    return torch.nn.functional.pad(mask.to(device=device, dtype=dtype), (0, capacity - mask.shape[-1]), value=low)
 
 
 def full_attention_only(config) -> bool:

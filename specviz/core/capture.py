@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch._dynamo
 import torch._inductor.config as inductor_config
+from torch.utils._pytree import tree_map_only
 
 from .files import cache_dir
 
@@ -141,15 +142,14 @@ def default_layout(device: torch.device) -> str:
     return "buffer" if device.type == "cuda" else "live"
 
 
-def buffer_mask(mask: torch.Tensor | None, past: int, n: int, capacity: int, dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
-    """The whole-buffer layout's mask, [1, 1, n, capacity], additive: ``mask`` over the live rows ([1, 1, n, past+n];
-    None: causal) and every row after them hidden. Built on ``device``."""
-    low = torch.finfo(dtype).min
-    if mask is None:
-        seen = torch.arange(capacity, device=device) <= past + torch.arange(n, device=device)[:, None]
-        return torch.zeros(n, capacity, dtype=dtype, device=device).masked_fill_(~seen, low)[None, None]
-    return torch.nn.functional.pad(mask.to(device=device, dtype=dtype), (0, capacity - mask.shape[-1]), value=low)
+def run_graph(fn, graphs: bool, *args, **kwargs):
+    """``fn(*args, **kwargs)``; where it replays as CUDA graphs (``graphs``), a new step is marked first and every
+    output tensor is copied out, since a graph's outputs live in its memory pool and the next replay writes over
+    them (the target's forward and a drafter's step and head alike)."""
+    if not graphs:
+        return fn(*args, **kwargs)
+    torch.compiler.cudagraph_mark_step_begin()
+    return tree_map_only(torch.Tensor, torch.clone, fn(*args, **kwargs))
 
 
 def compile_forward(fn, device: torch.device, graphs: bool = False):
@@ -194,19 +194,11 @@ class CapturedForward:
     def __call__(self, keep: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor, object]:
         """``(logits, final-norm features, the model's outputs or None)`` for ``self.module``'s keyword arguments;
         the outputs (with every hidden state) only where the whole forward was compiled."""
-        if self.graphs:  # a new replay: the last one's outputs, copied below, may be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
         if self.split:
-            logits, hidden = self._fn(keep=keep, **kwargs)
-            out = None
-        else:
-            out = self._fn(**kwargs, logits_to_keep=keep, output_hidden_states=True)
-            logits, hidden = out.logits, out.hidden_states[-1]
-        if self.graphs:  # a graph's outputs live in its memory pool: the next replay writes over them
-            logits, hidden = logits.clone(), hidden.clone()
-            if out is not None:  # the whole model's outputs: what ``TargetModel._features`` reads of them
-                out = type(out)(logits=logits, hidden_states=tuple(h.clone() for h in out.hidden_states))
-        return logits, hidden, out
+            logits, hidden = run_graph(self._fn, self.graphs, keep=keep, **kwargs)
+            return logits, hidden, None
+        out = run_graph(self._fn, self.graphs, **kwargs, logits_to_keep=keep, output_hidden_states=True)
+        return out.logits, out.hidden_states[-1], out
 
     def fail(self, error: Exception) -> None:
         """A compiled forward broke while decoding: the target goes back to the eager path, and says why."""

@@ -35,7 +35,6 @@ from .capture import (
     ENGINES,
     CapturedForward,
     EngineStatus,
-    buffer_mask,
     capture_unsupported,
     decoder_then_head,
     plain_causal_lm,
@@ -257,9 +256,7 @@ class TargetModel:
             cache.reserve(n)
             logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
             return logits, self._features(feats, out)
-        past = cache.get_seq_length()  # attention over the whole buffer (``core.capture``)
-        with cache.slots(past, n, device):
-            mask = buffer_mask(args["attention_mask"], past, n, cache.capacity, self.dtype, device)
+        with cache.slots(n, args["attention_mask"], self.dtype, device) as mask:  # attention over the whole buffer
             logits, feats, out = run(keep, **{**args, "attention_mask": mask}, **cache_kwarg(run.module, cache))
         return logits, self._features(feats, out)
 
