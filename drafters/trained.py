@@ -32,8 +32,8 @@ class TrainedDrafter(Drafter):
         state, self.card = load_any(settings.checkpoint, self.name, target)  # specviz's own or a published one
         self.net, self.frozen = self.restore(target, state, self.card.get("network"))
         if getattr(target, "packed_linears", 0):  # decoding only: a network that trains must not be packed
-            pack_linears(self.net)
-            self.frozen.pack()
+            pack_linears(self.net, target.plain_rows)  # the target's measured rule (``core.kernels``)
+            self.frozen.pack(target.plain_rows)
         self.device, self.dtype = target.device, target.dtype
         self.hidden_size = target.config.hidden_size
         self.check_settings(settings)

@@ -40,13 +40,16 @@ class FrozenTarget:
                 (self.vocab_map == torch.arange(weight.shape[0], device=self.vocab_map.device)).all())
             self.head = weight.to(target.dtype) if whole else weight[self.vocab_map].to(target.dtype).clone()
         self.packed_head: torch.Tensor | None = None  # [V', H] above, in the drafter's dtype
+        self.plain_rows = 0  # calls of up to this many rows on the default kernels (``core.kernels``)
 
-    def pack(self) -> None:
-        """Decode on a packed copy of the head (``core.packing``); the head is frozen, so it never goes stale."""
-        self.packed_head = pack(self.head)
+    def pack(self, plain_rows: int = 0) -> None:
+        """Decode on a packed copy of the head (``core.packing``), but calls of up to ``plain_rows`` rows; the
+        head is frozen, so it never goes stale."""
+        self.packed_head, self.plain_rows = pack(self.head), plain_rows
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding(tokens).detach()
 
     def logits(self, head_in: torch.Tensor) -> torch.Tensor:
-        return linear(head_in, self.head.to(head_in.dtype), packed=self.packed_head)  # the cast: training autocast
+        # the cast: training autocast
+        return linear(head_in, self.head.to(head_in.dtype), packed=self.packed_head, plain_rows=self.plain_rows)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from drafters import METHODS, checkpoint_sources, with_checkpoints
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--batch", type=int, default=1,
                     help="verify in this many sequences at once (one forward; the curve budgets at that batch size "
                          "are priced at; no floor)")
+    pr.add_argument("--kernels", action="store_true",
+                    help="measure again which CPU kernel (packed oneDNN or PyTorch's default) runs each row count of "
+                         "the target's linear layers on this machine, and print the timings (cached otherwise)")
     pr.add_argument("--out", default=None)
 
     rep = sub.add_parser("report", help="a results.json from bench as Markdown tables; --docs: docs/results.md")
@@ -226,13 +230,21 @@ def _bench_batches(args, methods: list[str], questions, sampling) -> None:  # ap
 
 
 def cmd_profile(args) -> None:  # apps.profile
-    from .profile import curve_text, profile
+    from .profile import curve_text, kernels_text, profile
 
     sizes = [1]
     while sizes[-1] * 2 <= args.max_size:
         sizes.append(sizes[-1] * 2)
-    result = profile(_target(args), args.context, sizes, args.repeats, tree=args.tree,
+    target = _target(args)
+    if args.kernels:
+        from specviz.core.kernels import choose
+
+        choice = choose(target.model, refresh=True)
+        print(kernels_text(choice) if choice else "no packed linear layers on this target: nothing to choose")
+    result = profile(target, args.context, sizes, args.repeats, tree=args.tree,
                      floor=not args.no_floor and args.batch == 1, batch=args.batch, ops=args.ops)
+    if args.kernels and choice:
+        result["kernel_choice"] = asdict(choice)
     print(curve_text(result))
     if args.out:
         atomic_write(Path(args.out), json.dumps(result, indent=1))

@@ -20,8 +20,8 @@ import torch
 
 from drafters.captured import capture_drafters
 from specviz.core.capture import REVISION as CAPTURE_REVISION
+from specviz.core.cpu import cpu_flags, cpuinfo
 from specviz.core.files import content_key
-from specviz.core.load import cpu_flags, cpuinfo
 from specviz.core.target import TargetModel
 
 # the CPU features a tuned budget depends on: the bf16 and vector kernels torch picks from them

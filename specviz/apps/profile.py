@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from specviz.core.batch import batch_mask
 from specviz.core.batch_cache import BatchSlabCache
 from specviz.core.errors import SettingsError
+from specviz.core.kernels import KernelChoice
 from specviz.core.target import TargetModel
 from specviz.core.timing import now
 from specviz.core.tree import DraftTree
@@ -66,6 +67,7 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
         r["relative_to_1"] = r["ms"] / base
     result = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
               "context": context, "shape": "tree" if tree else "chain", "machine": machine_description(),
+              "kernels": target.kernels,
               **({"batch": batch} if batch > 1 else {}),
               "date": time.strftime("%Y-%m-%d"), "curve": rows}
     if floor:
@@ -103,7 +105,8 @@ def _timed(target: TargetModel, tree: DraftTree, root: int, cache, context: int)
 def curve_text(result: dict) -> str:
     """``profile``'s result as the terminal shows it: ms per size, and as a multiple of one token."""
     batch = f" in each of {result['batch']} sequences at once" if result.get("batch", 1) > 1 else ""
-    lines = [f"verify cost of a {result['shape']}{batch} on {result['machine']} ({result['dtype']}, "
+    kernels = f", {result['kernels']}" if result.get("kernels") else ""
+    lines = [f"verify cost of a {result['shape']}{batch} on {result['machine']} ({result['dtype']}{kernels}, "
              f"{result['context']} cached tokens):"]
     for row in result["curve"]:
         line = f"  {row['tokens']:3d} tokens: {row['ms']:7.1f} ms  ({row['relative_to_1']:.2f}x one token)"
@@ -117,4 +120,13 @@ def curve_text(result: dict) -> str:
                      "here); the rest of a forward (norms, rotary, softmax, Python, launches) is the engine's")
     if "ops" in result:
         lines.append(opsplit.split_text([opsplit.OpSplit.from_dict(r) for r in result["ops"]]))
+    return "\n".join(lines)
+
+
+def kernels_text(choice: KernelChoice) -> str:
+    """``core.kernels``' measurement as the terminal shows it: every packed layer once, each way, per row count."""
+    lines = ["one call of every packed linear layer, ms (median), default kernels against packed oneDNN:"]
+    for size, plain, packed in zip(choice.sizes, choice.plain_ms, choice.packed_ms):
+        lines.append(f"  {size:3d} rows: default {plain:7.2f}   packed {packed:7.2f}   ({plain / packed:.2f}x)")
+    lines.append(f"chosen: {choice.describe()}")
     return "\n".join(lines)

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
+from .cpu import cpu_flags
 from .errors import SpecvizError
 from .files import cache_dir
+from .kernels import choose as choose_kernels
 from .packing import pack_linears
 from .target import TargetModel, final_norm
 
@@ -111,19 +113,6 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def cpuinfo(field: str) -> str:
-    """The first ``field`` line of /proc/cpuinfo ("flags", "model name"), or "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), "")
-    except OSError:
-        return ""
-
-
-def cpu_flags() -> set[str]:
-    return set(cpuinfo("flags").split())
-
-
 def fast_dtype(device: str | torch.device | None = None) -> torch.dtype:
     """bfloat16 where it is fast (CUDA, or a CPU with AMX or AVX-512 BF16), else float32."""
     device = torch.device(device or default_device())
@@ -188,6 +177,10 @@ def prepare(model: torch.nn.Module, pack: bool = False) -> torch.nn.Module:
 
 
 def load_target(spec: str | None = None, dtype="float32", device: str | None = None, pack: bool = True) -> TargetModel:
-    """The target, prepared (``prepare``): on packed oneDNN linear weights when it runs on the CPU and ``pack``."""
+    """The target, prepared (``prepare``): on packed oneDNN linear weights when it runs on the CPU and ``pack``,
+    but for the row counts the default kernels measured faster on this machine (``core.kernels``)."""
     model, tokenizer = load_causal_lm(spec, dtype, device)
-    return TargetModel(prepare(model, pack=pack), tokenizer, name=spec or EMBEDDED)
+    prepare(model, pack=pack)
+    if pack:
+        choose_kernels(model)
+    return TargetModel(model, tokenizer, name=spec or EMBEDDED)

@@ -8,6 +8,10 @@ matrices run faster at every small row count: a faster target and cheaper trees 
 The packed copy sits beside the dense weight (the embedding it may be tied to, and drafters that
 read the head, keep using the dense one), so packing costs one more copy of the linear weights.
 It is for inference: with autograd or autocast on, a layer falls back to the plain ``linear``.
+
+Packed is not faster at every row count on every CPU: a packed layer may run its smallest calls (up to
+``plain_rows`` rows) on the default kernels instead, where those measured faster on this machine
+(``core.kernels`` measures where; nothing here assumes one host's answer).
 """
 
 from __future__ import annotations
@@ -21,19 +25,25 @@ import torch
 import torch.nn.functional as F
 
 _ATTR = "_specviz_packed"
+_PLAIN_ROWS = "_specviz_plain_rows"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, on ``packed`` (``pack(weight)``) where given, autograd and autocast are off and dtypes agree.
-    Under ``torch.compile`` the plain op: inductor's freezing packs the weight itself (``core.capture``)."""
+           packed: torch.Tensor | None = None, plain_rows: int = 0) -> torch.Tensor:
+    """``F.linear``, on ``packed`` (``pack(weight)``) where given, autograd and autocast are off, dtypes agree and
+    ``x`` has more than ``plain_rows`` rows (all its dimensions but the last). Under ``torch.compile`` the plain
+    op: inductor's freezing packs the weight itself (``core.capture``)."""
     if (packed is None or torch.compiler.is_compiling() or torch.is_grad_enabled()
-            or torch.is_autocast_enabled(x.device.type) or x.dtype != packed.dtype):
+            or torch.is_autocast_enabled(x.device.type) or x.dtype != packed.dtype
+            or (plain_rows and x.numel() <= plain_rows * x.shape[-1])):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    plain_rows = getattr(self, _PLAIN_ROWS, 0)
+    if plain_rows and x.numel() <= plain_rows * x.shape[-1]:  # first: these are the calls a decode makes most
+        return F.linear(x, self.weight, self.bias)
     return linear(x, self.weight, self.bias, getattr(self, _ATTR))
 
 
@@ -59,9 +69,10 @@ def _packs_correctly(dtype: torch.dtype) -> bool:
     return torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Run every ``nn.Linear`` of a CPU ``model`` on packed oneDNN weights. Returns how many were packed (0 where
-    the model is not on the CPU or this build cannot pack its dtypes). Pack after the last change to the weights."""
+def pack_linears(model: torch.nn.Module, plain_rows: int = 0) -> int:
+    """Run every ``nn.Linear`` of a CPU ``model`` on packed oneDNN weights, but calls of up to ``plain_rows`` rows
+    (``set_plain_rows``). Returns how many were packed (0 where the model is not on the CPU or this build cannot
+    pack its dtypes). Pack after the last change to the weights."""
     count = 0
     for module in model.modules():
         packed = pack(module.weight) if type(module) is torch.nn.Linear else None
@@ -69,12 +80,37 @@ def pack_linears(model: torch.nn.Module) -> int:
             setattr(module, _ATTR, packed)
             module.forward = types.MethodType(_packed_forward, module)
             count += 1
+    set_plain_rows(model, plain_rows)
     return count
+
+
+def set_plain_rows(model: torch.nn.Module, rows: int) -> None:
+    """Let every packed layer of ``model`` run calls of up to ``rows`` rows on the default kernels (0: none)."""
+    if rows < 0:
+        raise ValueError(f"plain_rows must be at least 0, got {rows}")
+    for module in model.modules():
+        if hasattr(module, _ATTR):
+            setattr(module, _PLAIN_ROWS, rows)
+
+
+def plain_rows_of(model: torch.nn.Module) -> int:
+    """Up to how many rows ``model``'s packed layers run on the default kernels (0: packed at every row count)."""
+    return max((getattr(m, _PLAIN_ROWS, 0) for m in model.modules() if hasattr(m, _ATTR)), default=0)
+
+
+def packed_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """``model``'s linear layers that run on packed weights (``pack_linears``)."""
+    return [m for m in model.modules() if hasattr(m, _ATTR)]
+
+
+def packed_weight(module: torch.nn.Linear) -> torch.Tensor:
+    """A packed layer's oneDNN weight (``pack``)."""
+    return getattr(module, _ATTR)
 
 
 def packed_count(model: torch.nn.Module) -> int:
     """How many of ``model``'s linear layers run on packed weights (``pack_linears``)."""
-    return sum(1 for m in model.modules() if hasattr(m, _ATTR))
+    return len(packed_linears(model))
 
 
 def plain_copy(model: torch.nn.Module) -> torch.nn.Module:

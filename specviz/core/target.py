@@ -40,7 +40,7 @@ from .capture import (
     plain_causal_lm,
 )
 from .errors import SettingsError, SpecvizError
-from .packing import packed_count
+from .packing import packed_count, plain_rows_of
 from .text import ChatText
 from .transfer import to_device
 from .tree import DraftTree
@@ -121,9 +121,17 @@ class TargetModel:
         return self.body_dtype
 
     @property
+    def plain_rows(self) -> int:
+        """Calls of up to this many rows run on the default kernels, not the packed ones (``core.kernels``)."""
+        return plain_rows_of(self.model) if self.packed_linears else 0
+
+    @property
     def kernels(self) -> str:
         """Which linear kernels the target runs on (speed depends on it)."""
-        return f"oneDNN packed ({self.packed_linears} layers)" if self.packed_linears else "default"
+        if not self.packed_linears:
+            return "default"
+        plain = f"; default kernels up to {self.plain_rows} rows" if self.plain_rows else ""
+        return f"oneDNN packed ({self.packed_linears} layers{plain})"
 
     @property
     def vocab_size(self) -> int:
