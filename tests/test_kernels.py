@@ -3,6 +3,8 @@ and lossless either way."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from conftest import train_tiny_drafter
 from drafters import build_drafter
 from drafters.ar import AutoregressiveDrafter
 from specviz.core import kernels
+from specviz.core.cpu import cpu_flags, cpuinfo
 from specviz.core.engine import run
 from specviz.core.kernels import KernelChoice, choose, crossover, measure
 from specviz.core.load import prepare
@@ -20,6 +23,16 @@ from specviz.core.target import TargetModel
 pytestmark = pytest.mark.skipif(pack(torch.ones(2, 2)) is None, reason="this torch build cannot pack for oneDNN")
 VOCAB = 32
 PROMPTS = [[3, 7, 1, 9, 3, 7, 1], [5, 5, 2, 8, 11, 2, 8], [30, 1, 4, 1, 5, 9, 2, 6]]
+
+
+def test_the_cpu_facts_come_from_proc_cpuinfo():
+    assert cpu_flags() == set(cpuinfo("flags").split())
+    assert cpuinfo("no such field") == ""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""  # then every field reads as ""
+    assert cpuinfo("model name") in text and bool(cpuinfo("model name")) == ("model name" in text)
 
 
 def test_crossover_is_the_longest_prefix_the_default_kernels_win_by_the_margin():

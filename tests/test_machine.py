@@ -7,6 +7,7 @@ import torch
 
 from conftest import make_llama
 from specviz.apps import machine
+from specviz.core.load import prepare
 from specviz.core.target import TargetModel
 
 
@@ -34,6 +35,8 @@ def test_the_tuners_key_tells_targets_dtypes_and_machines_apart(tiny_target, mon
     assert machine.machine_key(other) != key
     half = TargetModel(make_llama(vocab_size=32, seed=0).to(torch.bfloat16))
     assert machine.machine_key(half) != key
+    grouped = TargetModel(prepare(make_llama(vocab_size=32, seed=0)))  # its verifies cost otherwise
+    assert grouped.config._attn_implementation != "sdpa" and machine.machine_key(grouped) != key
     monkeypatch.setattr(machine, "machine_description", lambda: "another machine")
     assert machine.machine_key(target) != key
 

@@ -66,6 +66,9 @@ def machine_key(target: TargetModel) -> str:
     cpu = [cpuinfo("model name"), sorted(cpu_flags() & TUNING_FLAGS)] if on_cpu else []
     facts = [machine_description(), *cpu, target.name, str(target.dtype), str(target.device), target.num_parameters,
              target.kernels]
+    attention = getattr(target.config, "_attn_implementation", None)
+    if attention not in (None, "sdpa"):  # a verify's cost turns on it (``core.attention``); SDPA's keys stay
+        facts.append(attention)
     if target.engine.path != "eager":  # compiled forwards cost otherwise: their own budgets
         facts.append(f"{target.engine.path} r{CAPTURE_REVISION}")
         if target.captured.layout != "live":  # the layout read by a CPU's budgets before it had a name

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import use_grouped_attention
 from .cpu import cpu_flags
 from .errors import SpecvizError
 from .files import cache_dir
@@ -165,10 +166,12 @@ def fp32_head(model: torch.nn.Module) -> bool:
 
 
 def prepare(model: torch.nn.Module, pack: bool = False) -> torch.nn.Module:
-    """Make ``model`` ready to decode, in place, and return it: eval mode; an fp32 final norm and head when
+    """Make ``model`` ready to decode, in place, and return it: eval mode; grouped-query attention that reads
+    its cache without copying it per query head (``core.attention``); an fp32 final norm and head when
     the body is bf16/fp16 (``fp32_head``); with ``pack``, CPU linear layers on packed oneDNN weights
     (``core.packing``; after the head, whose weight ``fp32_head`` replaces). Prepare a model once."""
     model.eval()
+    use_grouped_attention(model)
     if model.get_input_embeddings().weight.dtype != torch.float32:
         fp32_head(model)
     if pack:

@@ -1,0 +1,67 @@
+"""Attention of a grouped-query target under a mask, without copying its cache in every layer.
+
+A verify forward feeds several queries under a 4D mask (a tree, a batch's rows, a whole buffer). For a
+grouped-query model (fewer key/value heads than query heads), transformers' SDPA path then repeats the
+keys and values once per query head (``repeat_kv``): a copy of the layer's whole cache, in every layer, at
+every step, growing with the context. (PyTorch's own ``enable_gqa`` would avoid it, but on CUDA it falls
+back to the math kernel when a mask is given, so transformers only uses it without one.)
+
+Here a group's query heads are stacked as extra query rows instead, the way transformers already does for
+a single query: the queries ``[B, H, q, D]`` become ``[B, KVH, groups * q, D]``, row ``r * q + t`` of
+group ``j`` being head ``j * groups + r``'s query ``t`` (the head ``repeat_kv`` pairs with key/value head
+``j``), the mask's rows are repeated ``groups`` times to match (``q * L`` values, not ``H * L * D``), and
+the output is laid back out as ``[B, q, H, D]``. Every other call (one query, no mask, no groups, a
+position bias) goes to transformers' own SDPA function unchanged.
+
+``use_grouped_attention`` registers it with transformers' public ``AttentionInterface`` (and SDPA's mask
+builder with ``AttentionMaskInterface``) under ``NAME`` and switches a model on SDPA to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "specviz_grouped_sdpa"
+
+
+def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                 is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [B, H, q, D], key/value [B, KVH, L, D], an additive or
+    boolean mask [B or 1, 1 or H, q, L]; returns ([B, q, H, D], None)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    b, heads, q, dim = query.shape
+    if (groups == 1 or q == 1 or attention_mask is None or attention_mask.dim() != 4
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+            or key.shape[1] * groups != heads or attention_mask.shape[-1] != key.shape[2]):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    kv_heads, length = key.shape[1], key.shape[2]
+    stacked = query.reshape(b, kv_heads, groups * q, dim)
+    mask = attention_mask
+    if mask.shape[1] == 1:
+        mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * q, length)
+    else:
+        mask = mask.reshape(mask.shape[0], kv_heads, groups * q, length)
+    out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask,
+                                         dropout_p=dropout if module.training else 0.0, scale=scaling)
+    return out.reshape(b, heads, q, dim).transpose(1, 2).contiguous(), None
+
+
+def use_grouped_attention(model: torch.nn.Module) -> bool:
+    """Run ``model``'s attention through ``grouped_sdpa`` where it runs transformers' SDPA on grouped heads.
+    Returns whether it switched (a model on eager or flash attention, or without groups, is left as it is).
+    The name joins transformers' global registries here, never on import (importing must not change them)."""
+    config = model.config
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not heads or not kv_heads or heads == kv_heads:
+        return False
+    from transformers import AttentionInterface  # here: it loads transformers' model registry, which a model has
+
+    AttentionInterface.register(NAME, grouped_sdpa)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    model.set_attn_implementation(NAME)
+    return True
