@@ -23,9 +23,11 @@ from drafters.captured import capture_drafters
 from specviz.apps.cli import main
 from specviz.apps.methods import split_engine
 from specviz.apps.results import BenchResult
+from specviz.core.attention import NAME
 from specviz.core.capture import EngineStatus, plain_causal_lm
 from specviz.core.engine import generate, output_ids, run
 from specviz.core.errors import SettingsError
+from specviz.core.load import prepare
 from specviz.core.target import TargetModel
 
 PROMPTS = [[3, 5, 7, 11, 13], [2, 9, 4, 4, 1, 30, 17, 8, 8, 21, 5]]
@@ -34,8 +36,10 @@ PROMPTS = [[3, 5, 7, 11, 13], [2, 9, 4, 4, 1, 30, 17, 8, 8, 21, 5]]
 @pytest.fixture(scope="module", params=["live", "buffer"])
 def pair(tiny_llama, request):
     """(compiled, eager): two targets on one tiny model's weights, one compiled now, its attention reading the live
-    rows or (as under CUDA graphs) the whole buffer."""
-    compiled = TargetModel(tiny_llama(vocab_size=64, seed=3, max_positions=320))
+    rows or (as under CUDA graphs) the whole buffer. Prepared as ``load_target`` prepares a target: its grouped
+    heads attend without copies (``core.attention``), compiled as users run it."""
+    compiled = TargetModel(prepare(tiny_llama(vocab_size=64, seed=3, max_positions=320)))
+    assert compiled.config._attn_implementation == NAME
     status = compiled.use_engine("compiled", layout=request.param)
     assert status.path == "compiled", status
     return compiled, compiled.eager_view()
