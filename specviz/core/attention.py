@@ -10,8 +10,10 @@ Here a group's query heads are stacked as extra query rows instead, the way tran
 a single query: the queries ``[B, H, q, D]`` become ``[B, KVH, groups * q, D]``, row ``r * q + t`` of
 group ``j`` being head ``j * groups + r``'s query ``t`` (the head ``repeat_kv`` pairs with key/value head
 ``j``), the mask's rows are repeated ``groups`` times to match (``q * L`` values, not ``H * L * D``), and
-the output is laid back out as ``[B, q, H, D]``. Every other call (one query, no mask, no groups, a
-position bias) goes to transformers' own SDPA function unchanged.
+the output is laid back out as ``[B, q, H, D]``. transformers does the same for one query, but not under
+``torch.compile``, where a CUDA graph's one-token step over the whole buffer would copy it; so one query
+takes this path too. Every other call (no mask, no groups, a position bias) goes to transformers' own SDPA
+function unchanged: without a mask it lets SDPA read the grouped heads itself.
 
 ``use_grouped_attention`` registers it with transformers' public ``AttentionInterface`` (and SDPA's mask
 builder with ``AttentionMaskInterface``) under ``NAME`` and switches a model on SDPA to it.
@@ -34,7 +36,7 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     boolean mask [B or 1, 1 or H, q, L]; returns ([B, q, H, D], None)."""
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, q, dim = query.shape
-    if (groups == 1 or q == 1 or attention_mask is None or attention_mask.dim() != 4
+    if (groups == 1 or attention_mask is None or attention_mask.dim() != 4
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
             or key.shape[1] * groups != heads or attention_mask.shape[-1] != key.shape[2]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
