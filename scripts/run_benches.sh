@@ -6,7 +6,8 @@
 # linear weights) tuned-fp32-default (speed on PyTorch's default linear kernels);
 # eagle3-train (the shared budget, 4 epochs on the shared sequences, resumable, shipped when done; its saves are
 # mirrored in .train-state/ for a lost cache; DEVICE=cuda on a GPU, whose run is another), then
-# eagle3-mtbench eagle3-humaneval (eagle3 at the trees hass was benched at); redrafter-mtbench redrafter-humaneval
+# eagle3-mtbench eagle3-humaneval (eagle3 at the trees hass was benched at), eagle3-all (all three, unattended);
+# redrafter-mtbench redrafter-humaneval
 # (ReDrafter at Medusa's node counts after prefix merging); hass-mtbench hass-humaneval (HASS trained in the
 # reference's two stages, at the shared trees).
 # CORE=N pins the step to one core with one torch thread, so two tau-only steps can share a 2-core
@@ -106,6 +107,12 @@ for step in "$@"; do
       --dtype float32 --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;  # the 4-epoch checkpoint's
     eagle3-humaneval) run assets/bench/humaneval40_eagle3_4ep_cpu.json.xz --any-machine --questions humaneval \
       --limit 40 --dtype float32 --max-new-tokens 256 --methods "$EAGLE3" --update-cards ;;
+    eagle3-all)  # unattended: the retrain, then each of its benches in two pinned halves side by side, then whole
+      bash "$0" eagle3-train
+      for bench in eagle3-mtbench eagle3-humaneval; do
+        CORE=0 PART=1/2 bash "$0" "$bench" & CORE=1 PART=2/2 bash "$0" "$bench" & wait
+        bash "$0" "$bench"
+      done ;;
     hass-mtbench) run assets/bench/mtbench80_hass_two_stage_cpu.json.xz --any-machine --questions mt-bench \
       --dtype float32 --max-new-tokens 256 --methods "$HASS" --update-cards ;;
     hass-humaneval) run assets/bench/humaneval40_hass_two_stage_cpu.json.xz --any-machine --questions humaneval \
