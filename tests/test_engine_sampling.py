@@ -256,7 +256,7 @@ def test_lookahead_sampling_matches_target_distribution(sampling_target, exact_d
 
 # -- negative controls: the same decodes and checks with a wrong rule fail far below ALPHA ------------
 
-def no_residual(tree, logits, s, gen=None, explain=False):
+def no_residual(tree, logits, s, gen=None, explain=False, top=None):
     """Wrong chain rule: after a rejection, resample from p instead of the residual max(p - q, 0)."""
     node, path = 0, []
     for child in range(1, len(tree) + 1):  # sps trees are chains
@@ -270,7 +270,7 @@ def no_residual(tree, logits, s, gen=None, explain=False):
     return Acceptance(path, int(torch.multinomial(p, 1, generator=gen)))
 
 
-def keeps_rejected_candidate(tree, logits, s, gen=None, explain=False):
+def keeps_rejected_candidate(tree, logits, s, gen=None, explain=False, top=None):
     """Wrong rule for fixed children: a rejected candidate stays in the residual (p is never updated)."""
     tokens, kids = tree.tokens.tolist(), tree.children()
     node, path = 0, []

@@ -30,7 +30,7 @@ from .protocol import Drafter
 from .target import TargetError, TargetModel
 from .timing import PhaseTimer
 from .tree import DraftTree
-from .verify import Sampling
+from .verify import Sampling, follows_argmax
 
 
 def drafted_blocks(lanes: list[Decode], drafter: Drafter, sampling: Sampling, pasts: list[int]) -> list[tuple]:
@@ -118,10 +118,13 @@ def generate_batch(
             mask = batch_mask(pasts, [block for *_, block in fed], target.dtype)
             logits, feats = target.forward_rows(ids, positions, mask, cache)
         ended = []
+        with timer("accept"):  # the greedy rule reads every lane's argmax in one copy from the device
+            tops = logits.argmax(-1).tolist() if follows_argmax(sampling) else [None] * len(lanes)
         for b, (lane, (tree, row_ids, _, _), past) in enumerate(zip(lanes, fed, pasts)):
             m = row_ids.numel()
+            top = tops[b][:m] if tops[b] is not None else None
             record = settle(drafter, lane, tree, logits[b, :m], feats[b, :m], row_ids,
-                            lambda keep, b=b, past=past: cache.keep(b, past, keep), sampling, eos, timer)
+                            lambda keep, b=b, past=past: cache.keep(b, past, keep), sampling, eos, timer, top=top)
             if record.finished is not None:
                 ended.append(b)
             yield lane.index, record

@@ -168,14 +168,15 @@ class Decode:
 
 def settle(drafter: Drafter, decode: Decode, tree: DraftTree, logits: torch.Tensor, feats: torch.Tensor,
            inputs: torch.Tensor | None, commit: Callable[[list[int]], None], sampling: Sampling, eos,
-           timer: PhaseTimer, explain: bool = False) -> StepRecord:
+           timer: PhaseTimer, explain: bool = False, top: list[int] | None = None) -> StepRecord:
     """After a verify: accept, commit the kept rows (``commit(keep)``; none at the prefill, where the whole prompt
     is committed), tell the drafter, grow the output (cut at EOS or the limit); the step's record.
 
     ``logits`` and ``feats`` are this decode's rows of the verify input (``inputs``, root first; at the prefill
-    the prompt's last logits and every position's features)."""
+    the prompt's last logits and every position's features); ``top``: their argmax per row, where the caller
+    read it already (``verify.accept``)."""
     with timer("accept"):
-        result = accept(tree, logits, sampling, decode.generator, explain=explain)
+        result = accept(tree, logits, sampling, decode.generator, explain=explain, top=top)
         keep = [0] + result.path
         if decode.step == 0:
             done = Commit(torch.as_tensor(decode.prompt), feats, result.bonus)

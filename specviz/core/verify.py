@@ -127,23 +127,30 @@ class Acceptance:
     top: list[int] | None = field(default=None, compare=False)  # the target's argmax at each input (greedy only)
 
 
-def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None = None,
-           explain: bool = False) -> Acceptance:
-    """Apply the configured rule to the verify logits [N+1, V] of ``tree``. With ``explain`` the result also
-    holds the rule's ``decisions`` (for a display; the decode loop pays nothing for them otherwise)."""
+def follows_argmax(s: Sampling) -> bool:
+    """Whether ``accept`` runs the greedy rule under ``s``: it reads only the target's argmax at each input."""
     rule = s.resolved_rule
-    if rule == "greedy" or s.greedy and rule != "typical":
-        return _greedy(tree, logits, explain)
-    if rule == "typical":
+    return rule == "greedy" or s.greedy and rule != "typical"
+
+
+def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Generator | None = None,
+           explain: bool = False, top: list[int] | None = None) -> Acceptance:
+    """Apply the configured rule to the verify logits [N+1, V] of ``tree``. With ``explain`` the result also
+    holds the rule's ``decisions`` (for a display; the decode loop pays nothing for them otherwise). ``top``:
+    the argmax of every row of ``logits``, where the caller read it already (a batch reads all its lanes' at
+    once: one copy from the device, not one a lane); the greedy rule then reads nothing more."""
+    if follows_argmax(s):
+        return _greedy(tree, logits, explain, top)
+    if s.resolved_rule == "typical":
         return _typical(tree, logits, s, gen)
     return _rejection(tree, logits, s, gen, explain)
 
 
-def _greedy(tree: DraftTree, logits: torch.Tensor, explain: bool = False) -> Acceptance:
+def _greedy(tree: DraftTree, logits: torch.Tensor, explain: bool = False, top: list[int] | None = None) -> Acceptance:
     """Follow the target's top token down the tree. Siblings with one token (beams kept apart, each a branch of
     its own) may all match: the one with the longest match below it is followed (the first of equals), as
     checking each beam apart and keeping the best would; any matching path is the target's own text."""
-    best = logits.argmax(-1).tolist()
+    best = list(top) if top is not None else logits.argmax(-1).tolist()
     tokens, kids = tree.tokens.tolist(), tree.children()
 
     @functools.cache
