@@ -77,6 +77,18 @@ def test_a_result_saves_compressed_by_its_name_and_reads_back(tmp_path):
     assert list(tmp_path.iterdir()) == [tmp_path / "r.json.xz"]  # no partial file left beside it
 
 
+def test_a_result_says_which_kernels_engine_and_attention_ran(tmp_path):
+    from specviz.core.attention import NAME
+
+    result = small_result()
+    assert result.kernels_note == ""  # an older file: default kernels, eager, SDPA
+    result.linear_kernels, result.engine, result.attention = "oneDNN packed (3 layers)", "compiled", NAME
+    note = result.kernels_note
+    assert "oneDNN packed" in note and "compiled" in note and "grouped-query attention" in note
+    result.save(tmp_path / "r.json")
+    assert BenchResult.load(tmp_path / "r.json").attention == NAME
+
+
 def test_bad_files_are_messages(tmp_path):
     with pytest.raises(SettingsError, match="no results file"):
         BenchResult.load(tmp_path / "none.json")

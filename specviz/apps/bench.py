@@ -215,7 +215,7 @@ def run_facts(target: TargetModel, max_new_tokens: int, sampling: Sampling, meth
         verify_padding={shape: {str(n): m for n, m in pad.items()}
                         for shape, pad in (padding.as_dict() if padding else {}).items()},
         cores_used=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        engine=str(target.engine))
+        engine=str(target.engine), attention=getattr(target.config, "_attn_implementation", None))
 
 
 def prompt_row(q: Question, prompt_tokens: int, done: dict[str, PromptRun], tolerance: float | None) -> PromptRow:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specviz.core import files
+from specviz.core.attention import NAME as GROUPED_ATTENTION
 from specviz.core.errors import SettingsError
 
 
@@ -196,6 +197,7 @@ class BenchResult:
     cores_used: int | None = None
     merged_from: list[str] | None = None
     engine: str | None = None  # the target's forward path (``TargetModel.engine``); older files: eager
+    attention: str | None = None  # the target's attention function (``core.attention``); older files: SDPA's
 
     @classmethod
     def from_dict(cls, d: dict) -> BenchResult:
@@ -203,14 +205,14 @@ class BenchResult:
                    d["date"], d["machine"], {label: MethodSummary.from_dict(m) for label, m in d["methods"].items()},
                    [PromptRow.from_dict(p) for p in d["per_prompt"]], bool(d.get("interrupted", False)),
                    d.get("questions"), d.get("linear_kernels"), d.get("verify_padding"), d.get("cores_used"),
-                   d.get("merged_from"), d.get("engine"))
+                   d.get("merged_from"), d.get("engine"), d.get("attention"))
 
     def to_dict(self) -> dict:
         return {"target": self.target, "device": self.device, "dtype": self.dtype,
                 "max_new_tokens": self.max_new_tokens, "sampling": self.sampling.to_dict(), "date": self.date,
                 "machine": self.machine,
                 **_some(linear_kernels=self.linear_kernels, verify_padding=self.verify_padding,
-                        cores_used=self.cores_used, engine=self.engine),
+                        cores_used=self.cores_used, engine=self.engine, attention=self.attention),
                 "interrupted": self.interrupted,
                 "methods": {label: m.to_dict() for label, m in self.methods.items()},
                 "per_prompt": [p.to_dict() for p in self.per_prompt],
@@ -238,6 +240,8 @@ class BenchResult:
         """'' on default kernels, else which kernels the engine's linear layers ran on."""
         engine = f"target forwards {self.engine} (a label's `engine=eager`: the eager path)" \
             if self.engine and not self.engine.startswith("eager") else ""
+        if self.attention == GROUPED_ATTENTION:
+            engine = "; ".join(filter(None, [engine, "grouped-query attention without per-head copies"]))
         if (self.linear_kernels or "default") == "default":
             return engine
         kernels = f"linear layers on {self.linear_kernels} kernels (`hf` on the default ones)"
