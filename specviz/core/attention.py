@@ -38,7 +38,8 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     b, heads, q, dim = query.shape
     if (groups == 1 or attention_mask is None or attention_mask.dim() != 4
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-            or key.shape[1] * groups != heads or attention_mask.shape[-1] != key.shape[2]):
+            or key.shape[1] * groups != heads or attention_mask.shape[-1] != key.shape[2]
+            or attention_mask.shape[1] not in (1, heads)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     kv_heads, length = key.shape[1], key.shape[2]
