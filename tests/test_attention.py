@@ -13,7 +13,7 @@ import torch
 from conftest import make_llama
 from drafters import build_drafter
 from drafters.ar import AutoregressiveDrafter
-from specviz.core.attention import NAME, grouped_sdpa, use_grouped_attention
+from specviz.core.attention import NAME, grouped_sdpa, transformers_attention, use_grouped_attention
 from specviz.core.batch import batch_mask, run_batch
 from specviz.core.batch_cache import BatchSlabCache
 from specviz.core.cache import SlabCache
@@ -111,6 +111,17 @@ def test_decoding_on_grouped_attention_is_lossless(method, settings):
                         stop_on_eos=False)
     for prompt, rs in zip(PROMPTS, records):
         assert output_ids(rs) == run(plain, AutoregressiveDrafter(), prompt, 20, stop_on_eos=False).output_ids
+
+
+def test_transformers_own_attention_runs_inside_the_block_and_ours_after_it():
+    model = prepare(make_llama(VOCAB, 0, 1))
+    with transformers_attention(model):
+        assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == NAME
+    plain = make_llama(VOCAB, 0, 1)
+    with transformers_attention(plain):  # a model never switched stays as it is
+        assert plain.config._attn_implementation == "sdpa"
+    assert plain.config._attn_implementation == "sdpa"
 
 
 def test_models_it_must_not_change_are_left_as_they_are():

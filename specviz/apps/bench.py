@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from drafters import build_drafter
+from specviz.core.attention import transformers_attention
 from specviz.core.engine import StepRecord, margins, run
 from specviz.core.errors import SettingsError
 from specviz.core.metrics import TIE_TOLERANCE, compare, decode_steps, divergence, extra_memory_pct, token_margins
@@ -54,7 +55,7 @@ def _hf_runner(target: TargetModel, max_new_tokens: int, sampling: Sampling, ext
 
     def go(ids: list[int]) -> PromptRun:
         start = now(target.device)
-        with torch.inference_mode(), unpacked(target.model):
+        with torch.inference_mode(), unpacked(target.model), transformers_attention(target.model):
             out = target.model.generate(torch.tensor([ids], device=target.device), **kwargs)
         wall = now(target.device) - start
         return PromptRun(out[0, len(ids):].tolist(), wall)

@@ -21,6 +21,8 @@ builder with ``AttentionMaskInterface``) under ``NAME`` and switches a model on 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -68,3 +70,17 @@ def use_grouped_attention(model: torch.nn.Module) -> bool:
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)
     return True
+
+
+@contextlib.contextmanager
+def transformers_attention(model: torch.nn.Module):
+    """Run ``model`` on transformers' own SDPA inside the block, where ``use_grouped_attention`` switched it
+    (transformers' ``generate`` as its users get it); one decode at a time, like ``packing.unpacked``."""
+    switched = getattr(model.config, "_attn_implementation", None) == NAME
+    if switched:
+        model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        if switched:
+            model.set_attn_implementation(NAME)
