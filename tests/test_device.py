@@ -14,6 +14,7 @@ from conftest import make_llama, session_checkpoint
 from drafters.sps import AssistantDrafter, AssistantSettings
 from specviz.core.cache import for_model
 from specviz.core.engine import generate, output_ids, run
+from specviz.core.load import prepare
 from specviz.core.target import TargetModel
 from specviz.core.verify import Sampling
 
@@ -120,7 +121,7 @@ def test_every_method_decodes_on_a_real_gpu_as_on_the_cpu(method, target):
     """On real CUDA kernels: greedy fp32 output equals the CPU's, and sampling runs to length on the device
     (a CUDA generator draws other numbers than a CPU one, so sampled tokens are compared to nothing)."""
     want = [run(target, build(method, target), p, n, stop_on_eos=False).output_ids for p, n in CASES]
-    gpu = TargetModel(make_llama(VOCAB, seed=0, num_layers=4).to("cuda"))
+    gpu = TargetModel(prepare(make_llama(VOCAB, seed=0, num_layers=4).to("cuda")))  # as load_target prepares it
     drafter = build(method, gpu)
     for (p, n), greedy in zip(CASES, want):
         assert run(gpu, drafter, p, n, stop_on_eos=False).output_ids == greedy
@@ -131,8 +132,9 @@ def test_every_method_decodes_on_a_real_gpu_as_on_the_cpu(method, target):
 @real_gpu
 def test_cuda_graphs_decode_as_the_eager_gpu_path(greedy_on_the_cpu):
     """The compiled target on a GPU replays CUDA graphs over the whole buffer: greedy fp32 output of AR, a chain and
-    random trees equals the CPU's, also where a decode outgrows its buffer (new addresses: graphs recorded anew)."""
-    gpu = TargetModel(make_llama(VOCAB, seed=0, num_layers=4).to("cuda"))
+    random trees equals the CPU's, also where a decode outgrows its buffer (new addresses: graphs recorded anew).
+    Prepared as users get it: grouped-query attention over the whole buffer without per-head copies."""
+    gpu = TargetModel(prepare(make_llama(VOCAB, seed=0, num_layers=4).to("cuda")))
     status = gpu.use_engine("compiled")
     assert gpu.captured.graphs and "CUDA graphs" in status.detail, status
     for (p, n), greedy in zip(CASES, greedy_on_the_cpu):
