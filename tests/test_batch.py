@@ -16,7 +16,7 @@ from specviz.core.engine import output_ids, run
 from specviz.core.protocol import Commit, DraftRequest
 from specviz.core.target import TargetError
 from specviz.core.tree import DraftTree
-from specviz.core.verify import Sampling
+from specviz.core.verify import Sampling, follows_argmax
 
 VOCAB = 64
 
@@ -165,6 +165,13 @@ def test_end_of_sequence_ends_a_lane_and_the_next_prompt_joins(target):
         target.text.eos_token_ids = frozenset()
     assert [output_ids(r) for r in records] == expected and len(expected[0]) == 4
     assert records[0][-1].finished == "eos"
+
+
+def test_only_the_greedy_rule_follows_the_argmax():
+    """``follows_argmax``, which ``generate_batch`` asks before it reads every lane's argmax in one copy, holds
+    exactly where ``accept`` runs the greedy rule (the batched outputs above equal AR's either way)."""
+    assert [follows_argmax(Sampling(**k)) for k in ({}, {"rule": "rejection"}, {"temperature": 1.0},
+                                                     {"rule": "typical"})] == [True, True, False, False]
 
 
 def test_a_seeded_sampled_sequence_is_its_batch_1_decode(target):

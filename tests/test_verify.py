@@ -12,7 +12,7 @@ import torch
 from conftest import chi2_pvalue
 from specviz.core.errors import SettingsError
 from specviz.core.tree import DraftTree
-from specviz.core.verify import Acceptance, Sampling, accept, follows_argmax, probabilities
+from specviz.core.verify import Acceptance, Sampling, accept, probabilities
 
 # -- greedy --------------------------------------------------------------------------------------
 
@@ -45,10 +45,7 @@ def test_greedy_follows_argmax_hand_built():
     assert accept(tree, logits, Sampling()) == Acceptance([], 6)
     # the empty tree: the bonus is the argmax of the only row
     assert accept(DraftTree.empty(), logits[:1], Sampling()) == Acceptance([], 6)
-    # an argmax the caller read already (a batch reads every lane's at once) is the one followed
-    assert accept(tree, logits, Sampling(), top=[3, 7, 9, 0, 0, 4, 8]) == Acceptance([2, 5], 4)
-    assert follows_argmax(Sampling()) and follows_argmax(Sampling(rule="rejection"))  # T = 0: the argmax decides
-    assert not follows_argmax(Sampling(temperature=1.0)) and not follows_argmax(Sampling(rule="typical"))
+    assert accept(tree, logits, Sampling(), top=[3, 7, 9, 0, 0, 4, 8]) == Acceptance([2, 5], 4)  # read already
 
 
 @pytest.mark.parametrize("seed", range(30))
