@@ -33,18 +33,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, on ``packed`` (``pack(weight)``) where given, autograd and autocast are off, dtypes agree and
     ``x`` has more than ``plain_rows`` rows (all its dimensions but the last). Under ``torch.compile`` the plain
     op: inductor's freezing packs the weight itself (``core.capture``)."""
-    if (packed is None or torch.compiler.is_compiling() or torch.is_grad_enabled()
-            or torch.is_autocast_enabled(x.device.type) or x.dtype != packed.dtype
-            or (plain_rows and x.numel() <= plain_rows * x.shape[-1])):
+    if ((plain_rows and x.numel() <= plain_rows * x.shape[-1])  # first: AR's one-row calls, where it applies
+            or packed is None or torch.compiler.is_compiling() or torch.is_grad_enabled()
+            or torch.is_autocast_enabled(x.device.type) or x.dtype != packed.dtype):
         return F.linear(x, weight, bias)
+    return packed_linear(x, packed, bias)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """oneDNN's product of ``x`` with a ``pack``ed weight, with no check (``linear`` checks)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    plain_rows = getattr(self, _PLAIN_ROWS, 0)
-    if plain_rows and x.numel() <= plain_rows * x.shape[-1]:  # first: these are the calls a decode makes most
-        return F.linear(x, self.weight, self.bias)
-    return linear(x, self.weight, self.bias, getattr(self, _ATTR))
+    return linear(x, self.weight, self.bias, getattr(self, _ATTR), getattr(self, _PLAIN_ROWS, 0))
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -63,7 +65,7 @@ def _packs_correctly(dtype: torch.dtype) -> bool:
     try:
         gen = torch.Generator().manual_seed(0)
         w, x = torch.randn(24, 16, generator=gen).to(dtype), torch.randn(3, 16, generator=gen).to(dtype)
-        got = torch.ops.mkldnn._linear_pointwise(x, _pack(w), None, "none", [], "")
+        got = packed_linear(x, _pack(w))
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
     return torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)

@@ -150,7 +150,7 @@ def _greedy(tree: DraftTree, logits: torch.Tensor, explain: bool = False, top: l
     """Follow the target's top token down the tree. Siblings with one token (beams kept apart, each a branch of
     its own) may all match: the one with the longest match below it is followed (the first of equals), as
     checking each beam apart and keeping the best would; any matching path is the target's own text."""
-    best = list(top) if top is not None else logits.argmax(-1).tolist()
+    best = top if top is not None else logits.argmax(-1).tolist()
     tokens, kids = tree.tokens.tolist(), tree.children()
 
     @functools.cache
