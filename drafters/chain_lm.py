@@ -11,7 +11,7 @@ from specviz.core.protocol import Drafter, DraftRequest
 from specviz.core.target import cache_kwarg
 from specviz.core.transfer import to_device
 from specviz.core.tree import DraftTree
-from specviz.core.verify import probabilities
+from specviz.core.verify import probabilities, top_ids
 
 
 @dataclass
@@ -89,7 +89,7 @@ class ChainLMDrafter(Drafter):
         (on a GPU no token waits for the host)."""
         tokens, logps = [], []
         for i in range(depth):
-            tok = logits.argmax().view(1, 1)
+            tok = top_ids(logits.reshape(-1)).view(1, 1)
             tokens.append(tok)
             logps.append(torch.log_softmax(logits, -1)[tok[0, 0]])
             if i + 1 < depth:

@@ -30,7 +30,7 @@ from .protocol import Drafter
 from .target import TargetError, TargetModel
 from .timing import PhaseTimer
 from .tree import DraftTree
-from .verify import Sampling, follows_argmax
+from .verify import Sampling, follows_argmax, top_ids
 
 
 def drafted_blocks(lanes: list[Decode], drafter: Drafter, sampling: Sampling, pasts: list[int]) -> list[tuple]:
@@ -119,7 +119,7 @@ def generate_batch(
             logits, feats = target.forward_rows(ids, positions, mask, cache)
         ended = []
         with timer("accept"):  # the greedy rule reads every lane's argmax in one copy from the device
-            tops = logits.argmax(-1).tolist() if follows_argmax(sampling) else [None] * len(lanes)
+            tops = top_ids(logits).tolist() if follows_argmax(sampling) else [None] * len(lanes)
         for b, (lane, (tree, row_ids, _, _), past) in enumerate(zip(lanes, fed, pasts)):
             m = row_ids.numel()
             top = tops[b][:m] if tops[b] is not None else None

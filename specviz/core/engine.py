@@ -22,7 +22,7 @@ from .target import TargetModel, VerifyPadding
 from .timing import PhaseTimer, Timings
 from .transfer import to_device
 from .tree import DraftTree
-from .verify import Decision, Sampling, accept, probabilities
+from .verify import Decision, Sampling, accept, probabilities, top_ids
 
 
 @dataclass(kw_only=True)
@@ -185,7 +185,7 @@ def settle(drafter: Drafter, decode: Decode, tree: DraftTree, logits: torch.Tens
             commit(keep)
             top = None
             if drafter.reads_verified_top:  # the greedy rule has read it already: no second copy from the device
-                top = torch.tensor(result.top) if result.top is not None else logits.argmax(-1).cpu()
+                top = torch.tensor(result.top) if result.top is not None else top_ids(logits).cpu()
             rows = torch.tensor(keep)  # a list index into a device tensor would be copied over blocking
             done = Commit(inputs[rows], feats[to_device(rows, feats.device)], result.bonus, top)
             new = done.tokens[1:].tolist() + [result.bonus]

@@ -23,6 +23,7 @@ from .attention import use_grouped_attention
 from .cpu import cpu_flags
 from .errors import SpecvizError
 from .files import cache_dir
+from .head import refine_head
 from .kernels import choose as choose_kernels
 from .packing import pack_linears
 from .target import TargetModel, final_norm
@@ -169,13 +170,17 @@ def prepare(model: torch.nn.Module, pack: bool = False) -> torch.nn.Module:
     """Make ``model`` ready to decode, in place, and return it: eval mode; grouped-query attention that reads
     its cache without copying it per query head (``core.attention``); an fp32 final norm and head when
     the body is bf16/fp16 (``fp32_head``); with ``pack``, CPU linear layers on packed oneDNN weights
-    (``core.packing``; after the head, whose weight ``fp32_head`` replaces). Prepare a model once."""
+    (``core.packing``; after the head, whose weight ``fp32_head`` replaces), the fp32 head then a bf16 product
+    made exact in fp32 where it decides the argmax (``core.head``). Prepare a model once."""
     model.eval()
     use_grouped_attention(model)
-    if model.get_input_embeddings().weight.dtype != torch.float32:
+    low_precision = model.get_input_embeddings().weight.dtype != torch.float32
+    if low_precision:
         fp32_head(model)
     if pack:
         pack_linears(model)
+        if low_precision:  # fp32_head's head: a bf16 product, exact where it decides (an fp32 model keeps its own)
+            refine_head(model)
     return model
 
 

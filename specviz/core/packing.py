@@ -24,7 +24,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-_ATTR = "_specviz_packed"
+_ATTR = "_specviz_packed"  # a module's packed weight
+_FORWARD = "_specviz_forward"  # the function its forward runs on it (``install``)
 _PLAIN_ROWS = "_specviz_plain_rows"
 
 
@@ -71,6 +72,18 @@ def _packs_correctly(dtype: torch.dtype) -> bool:
     return torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
 
 
+def install(module: torch.nn.Module, packed: torch.Tensor, forward) -> None:
+    """Run ``module`` as ``forward(module, x)`` on its ``packed`` weight (``unpacked`` and ``plain_copy`` lift it)."""
+    setattr(module, _ATTR, packed)
+    setattr(module, _FORWARD, forward)
+    module.forward = types.MethodType(forward, module)
+
+
+def installed(module: torch.nn.Module):
+    """The function ``module`` runs on its packed weight (``install``), or None where it has none."""
+    return getattr(module, _FORWARD, None) if hasattr(module, _ATTR) else None
+
+
 def pack_linears(model: torch.nn.Module, plain_rows: int = 0) -> int:
     """Run every ``nn.Linear`` of a CPU ``model`` on packed oneDNN weights, but calls of up to ``plain_rows`` rows
     (``set_plain_rows``). Returns how many were packed (0 where the model is not on the CPU or this build cannot
@@ -79,8 +92,7 @@ def pack_linears(model: torch.nn.Module, plain_rows: int = 0) -> int:
     for module in model.modules():
         packed = pack(module.weight) if type(module) is torch.nn.Linear else None
         if packed is not None:
-            setattr(module, _ATTR, packed)
-            module.forward = types.MethodType(_packed_forward, module)
+            install(module, packed, _packed_forward)
             count += 1
     set_plain_rows(model, plain_rows)
     return count
@@ -90,19 +102,19 @@ def set_plain_rows(model: torch.nn.Module, rows: int) -> None:
     """Let every packed layer of ``model`` run calls of up to ``rows`` rows on the default kernels (0: none)."""
     if rows < 0:
         raise ValueError(f"plain_rows must be at least 0, got {rows}")
-    for module in model.modules():
-        if hasattr(module, _ATTR):
-            setattr(module, _PLAIN_ROWS, rows)
+    for module in packed_linears(model):
+        setattr(module, _PLAIN_ROWS, rows)
 
 
 def plain_rows_of(model: torch.nn.Module) -> int:
     """Up to how many rows ``model``'s packed layers run on the default kernels (0: packed at every row count)."""
-    return max((getattr(m, _PLAIN_ROWS, 0) for m in model.modules() if hasattr(m, _ATTR)), default=0)
+    return max((getattr(m, _PLAIN_ROWS, 0) for m in packed_linears(model)), default=0)
 
 
 def packed_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """``model``'s linear layers that run on packed weights (``pack_linears``)."""
-    return [m for m in model.modules() if hasattr(m, _ATTR)]
+    """``model``'s linear layers that run on packed weights as plain products (``pack_linears``; not a head
+    ``core.head`` runs its own way)."""
+    return [m for m in model.modules() if installed(m) is _packed_forward]
 
 
 def packed_weight(module: torch.nn.Linear) -> torch.Tensor:
@@ -138,4 +150,4 @@ def unpacked(model: torch.nn.Module):
         yield
     finally:
         for module in packed:
-            module.forward = types.MethodType(_packed_forward, module)
+            module.forward = types.MethodType(getattr(module, _FORWARD, _packed_forward), module)

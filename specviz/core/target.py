@@ -40,6 +40,7 @@ from .capture import (
     plain_causal_lm,
 )
 from .errors import SettingsError, SpecvizError
+from .head import refined
 from .packing import packed_count, plain_rows_of
 from .text import ChatText
 from .transfer import to_device
@@ -131,7 +132,8 @@ class TargetModel:
         if not self.packed_linears:
             return "default"
         plain = f"; default kernels up to {self.plain_rows} rows" if self.plain_rows else ""
-        return f"oneDNN packed ({self.packed_linears} layers{plain})"
+        head = "; bf16 head, exact in fp32 at the top" if refined(self.model) else ""
+        return f"oneDNN packed ({self.packed_linears} layers{plain}{head})"
 
     @property
     def vocab_size(self) -> int:

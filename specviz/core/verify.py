@@ -62,11 +62,17 @@ class Sampling:
         return self.resolved_rule not in LOSSY_RULES
 
 
+def top_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dim: the first index of the largest value, as ``argmax``'s. Read from ``max``,
+    whose CPU kernel is vectorized where ``argmax``'s is not (several times faster on a vocabulary)."""
+    return logits.max(-1).indices
+
+
 def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """Softmax with temperature and nucleus (top-p) filtering, over the last dim, in fp32."""
     logits = logits.float()
     if s.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(top_ids(logits), logits.shape[-1]).float()
     probs = torch.softmax(logits / s.temperature, dim=-1)
     if s.top_p < 1.0:
         probs = nucleus(probs, s.top_p)
@@ -150,7 +156,7 @@ def _greedy(tree: DraftTree, logits: torch.Tensor, explain: bool = False, top: l
     """Follow the target's top token down the tree. Siblings with one token (beams kept apart, each a branch of
     its own) may all match: the one with the longest match below it is followed (the first of equals), as
     checking each beam apart and keeping the best would; any matching path is the target's own text."""
-    best = top if top is not None else logits.argmax(-1).tolist()
+    best = top if top is not None else top_ids(logits).tolist()
     tokens, kids = tree.tokens.tolist(), tree.children()
 
     @functools.cache
@@ -229,5 +235,5 @@ def _typical(tree: DraftTree, logits: torch.Tensor, s: Sampling, gen: torch.Gene
         if len(keep) > len(best):
             best = keep
     last = best[-1] if best else 0
-    bonus = int(logits[last].argmax()) if s.greedy else _sample(probabilities(logits[last], s), gen)
+    bonus = int(top_ids(logits[last])) if s.greedy else _sample(probabilities(logits[last], s), gen)
     return Acceptance(best, bonus)

@@ -1,0 +1,136 @@
+"""The refined LM head (``core.head``) and the argmax rule (``verify.top_ids``): the same top token as the fp32
+product, whatever the row count, where a bf16 head alone would tie; and lossless decoding on it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from drafters import build_drafter
+from drafters.ar import AutoregressiveDrafter
+from specviz.core.engine import run
+from specviz.core.head import refine_head, refined, refined_logits
+from specviz.core.load import prepare
+from specviz.core.packing import pack, packed_linear, plain_copy, unpacked
+from specviz.core.target import TargetModel
+from specviz.core.verify import top_ids
+
+pytestmark = pytest.mark.skipif(pack(torch.ones(2, 2, dtype=torch.bfloat16)) is None,
+                                reason="this torch build cannot pack bf16 for oneDNN")
+VOCAB, K = 512, 64
+
+
+def test_top_ids_is_argmax_with_its_ties_and_nans():
+    x = torch.zeros(3, 1000)
+    x[0, [5, 700, 900]] = 1.0  # ties: the first
+    x[1] = float("-inf")
+    x[1, [9, 10]] = 2.0
+    x[2, 100], x[2, 50] = float("nan"), 3.0  # a NaN wins, as argmax's does
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert top_ids(x.to(dtype)).tolist() == x.to(dtype).argmax(-1).tolist() == [5, 9, 100]
+    rounded = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)).bfloat16().round()  # many ties
+    assert torch.equal(top_ids(rounded), rounded.argmax(-1))
+
+
+def _near_ties(seed: int = 0, rows: int = 48):
+    """A head whose tokens 2j and 2j+1 differ by one bf16 step in one weight, and inputs near token pairs' rows:
+    the pairs' logits differ by far less than bf16's step at their size, so a bf16 head ties them."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(VOCAB, K, generator=gen) * 0.3).bfloat16()
+    bump = torch.randint(0, K, (VOCAB // 2,), generator=gen)
+    pairs = torch.arange(0, VOCAB, 2)
+    sign = torch.where(torch.rand(VOCAB // 2, generator=gen) < 0.5, -1.0, 1.0)
+    up = weight[pairs, bump].float() * (1 + sign * 2.0 ** -7)  # one step up or down
+    weight[pairs + 1] = weight[pairs]
+    weight[pairs + 1, bump] = up.bfloat16()
+    weight = weight.float()
+    which = torch.randint(0, VOCAB // 2, (rows,), generator=gen) * 2
+    x = weight[which] * 4 + torch.randn(rows, K, generator=gen) * 0.05
+    return weight, x
+
+
+def _exact(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The head's logits in float64."""
+    return x.double() @ weight.double().T
+
+
+def _refined(weight, x):
+    return refined_logits(x, weight, pack(weight.bfloat16()), float(weight.norm(dim=1).max()))
+
+
+def test_refined_head_finds_the_exact_top_token_where_bf16_ties():
+    weight, x = _near_ties()
+    exact = _exact(weight, x)
+    clear = exact.topk(2, dim=-1).values.diff(dim=-1).abs()[:, 0] > 1e-5  # beyond fp32 sums' own rounding
+    assert clear.sum() >= 40
+    with torch.inference_mode():
+        got = _refined(weight, x)
+        coarse = packed_linear(x.bfloat16(), pack(weight.bfloat16())).float()
+    assert torch.equal(top_ids(got)[clear], exact.argmax(-1)[clear])
+    assert (top_ids(coarse) != exact.argmax(-1))[clear].sum() >= 5, "bf16 alone finds them: the test shows nothing"
+    best = exact.argmax(-1, keepdim=True)  # the winner's value is its fp32 dot product
+    torch.testing.assert_close(got.gather(1, best).double(), exact.gather(1, best), rtol=1e-6, atol=1e-6)
+    dropped = weight.norm(dim=1).max() * (x - x.bfloat16().float()).norm(dim=-1, keepdim=True)  # the input's rounding
+    assert ((got.double() - exact).abs() <= dropped + 2 ** -8 * exact.abs() + 1e-4).all()  # elsewhere: bf16's error
+
+
+def test_refined_head_gives_a_row_the_same_top_whatever_the_batch():
+    weight, x = _near_ties(seed=1)
+    with torch.inference_mode():
+        whole = _refined(weight, x.view(6, 8, K))
+        for i in range(x.shape[0]):
+            alone = _refined(weight, x[i:i + 1])[0]
+            row = whole.view(-1, VOCAB)[i]
+            top = int(top_ids(alone))
+            assert int(top_ids(row)) == top and alone[top] == row[top]  # bit for bit
+
+
+def test_refined_head_makes_every_token_of_a_crowded_top_exact():
+    weight, x = _near_ties(seed=2, rows=4)
+    weight[10: 34] = weight[10]  # many equal top tokens
+    x[1] = weight[10] * 4
+    with torch.inference_mode():
+        got = _refined(weight, x)
+    assert int(top_ids(got[1])) == 10  # the first of equals
+    assert torch.equal(got[1, 10: 34], got[1, 10].expand(24))  # every one of them exact
+
+
+def _bf16_llama(tiny_llama, num_layers: int = 4):
+    model = tiny_llama(VOCAB, seed=0, num_layers=num_layers, std=0.05).to(torch.bfloat16)  # small: ties at bf16
+    return prepare(model, pack=True)
+
+
+def test_prepare_refines_a_bf16_models_head_but_not_an_fp32_ones(tiny_llama):
+    model = _bf16_llama(tiny_llama)
+    head = model.get_output_embeddings()
+    assert refined(model) and head.weight.dtype == torch.float32
+    assert "exact in fp32" in TargetModel(model).kernels
+    fp32 = prepare(tiny_llama(VOCAB, seed=0, num_layers=2).bfloat16().float(), pack=True)  # bf16 values, fp32 model
+    assert not refined(fp32)
+    x = torch.randn(2, 3, head.in_features)
+    with torch.inference_mode():
+        with unpacked(model):  # transformers' own head inside: the fp32 product
+            assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
+        assert torch.equal(top_ids(head(x)), top_ids(_exact(head.weight, x)))
+    assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))  # autograd on: the fp32 product
+    trainable = plain_copy(model)  # a copy to train: no packed weight, the plain head
+    assert not refined(trainable) and not hasattr(trainable.get_output_embeddings(), "_specviz_packed")
+    assert refine_head(copy.deepcopy(trainable)) is True  # its weights are still bf16 values
+
+
+@pytest.mark.parametrize("method,settings", [("pld", {}), ("lookahead", dict(window=4, ngram=3, guesses=4)),
+                                             ("skip", dict(layers=2, num_tokens=3))], ids=str)
+def test_speculation_on_the_refined_head_is_lossless(method, settings, tiny_llama):
+    """Greedy speculation on a bf16 target with the refined head gives its own AR output, tree rows and all."""
+    target = TargetModel(_bf16_llama(tiny_llama))
+    drafter = build_drafter(method, target, **settings)
+    prompts = [[3, 7, 1, 9, 3, 7, 1, 9, 3], [5, 5, 2, 8, 11, 2, 8, 11], [30, 1, 4, 1, 5, 9, 2, 6]]
+    accepted = 0
+    for prompt in prompts:
+        want = run(target, AutoregressiveDrafter(), prompt, 40, stop_on_eos=False).output_ids
+        result = run(target, drafter, prompt, 40, stop_on_eos=False)
+        assert result.output_ids == want
+        accepted += sum(r.accepted for r in result.records)
+    assert accepted > 0, "no draft token was ever accepted: the check is vacuous"
