@@ -3,6 +3,8 @@ size, AR at every size, outputs checked against AR's, a results file that reads 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from specviz.apps.batch_results import BatchSweep
@@ -27,7 +29,9 @@ def test_a_sweep_has_every_method_at_every_batch_size_beside_ar(target, tmp_path
                         source="mt-bench", on_point=lambda s: saved.append(len(s.points)))
     assert [(p.method, p.batch_size) for p in sweep.points] == [
         (m, b) for b in (1, 2) for m in ("ar", "pld:num_tokens=3", look, apart)]
-    assert saved == [1, 2, 3, 4, 5, 6, 7, 8]  # after every point: a killed sweep keeps what it measured
+    assert saved == [1, 2, 3, 4, 4, 4, 4, 4, 5, 6, 7, 8, 8, 8, 8, 8]  # after every run: a killed sweep keeps them
+    for p in sweep.points:  # every method ran twice, in order and reversed: one point pools both
+        assert len(p.runs) == 2 and min(p.runs) <= p.throughput <= max(p.runs)
     assert sweep.point(apart, 2).settings == {"num_tokens": 3} and sweep.point(apart, 2).identical == 3
     with pytest.raises(SettingsError, match="batched_drafting is 1"):
         batch_sweep(target, ["pld:batched_drafting=2"], questions, [1], max_new_tokens=4)
@@ -64,8 +68,8 @@ def test_the_command_writes_the_sweep_and_refuses_what_it_cannot_do(tiny_target_
 
 
 def test_a_killed_sweep_resumes_keeping_only_whole_batch_sizes(tiny_target_dir, tmp_path, monkeypatch, capsys):
-    """A resume keeps the batch sizes every method finished and measures a half-done size again whole, so a
-    speedup never compares runs of two processes; a file made another way is refused."""
+    """A resume keeps the batch sizes every method finished (both passes) and measures a half-done size again
+    whole, so a speedup never compares runs of two processes; a file made another way is refused."""
     from specviz.apps import batching
 
     out = tmp_path / "batches.json"
@@ -74,13 +78,13 @@ def test_a_killed_sweep_resumes_keeping_only_whole_batch_sizes(tiny_target_dir, 
     assert main(command) == 0
     killed = BatchSweep.load(out)
     first = {(p.method, p.batch_size): p for p in killed.points}
-    killed.points = killed.points[:-1]  # killed before pld at batch 2
+    killed.points[-1] = dataclasses.replace(killed.points[-1], runs=killed.points[-1].runs[:1])  # in the reverse pass
     killed.save(out)
     measured, measure = [], batching.measure
     monkeypatch.setattr(batching, "measure", lambda t, label, ps, b, *a: measured.append((label, b)) or measure(
         t, label, ps, b, *a))
     assert main([*command, "--resume"]) == 0
-    assert measured == [("ar", 2), ("pld", 2)]  # batch 1 kept, batch 2 again from AR
+    assert measured == [("ar", 2), ("pld", 2), ("pld", 2), ("ar", 2)]  # batch 1 kept, batch 2 again, both passes
     resumed = BatchSweep.load(out)
     assert [(p.method, p.batch_size) for p in resumed.points] == [("ar", 1), ("pld", 1), ("ar", 2), ("pld", 2)]
     assert resumed.point("pld", 1) == first["pld", 1]

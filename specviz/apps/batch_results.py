@@ -25,6 +25,7 @@ class BatchPoint:
     sequence_tok_s: float  # each sequence's tokens over its own time in the batch, averaged
     identical: int | None = None  # sequences equal to AR's at this batch size (greedy runs only)
     settings: dict = field(default_factory=dict)  # what the method ran at
+    runs: list[float] = field(default_factory=list)  # each run's throughput (``throughput`` pools them)
 
 
 @dataclass

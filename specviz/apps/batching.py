@@ -1,5 +1,7 @@
 """Throughput against batch size (``bench --batch-sizes``): every method decodes the questions B at a time
-(``core.batch``, continuous batching), beside AR at the same B, in one process.
+(``core.batch``, continuous batching), beside AR at the same B, in one process. Each batch size runs its methods
+twice, in order and then in reverse (A B C, C B A), and each point pools its two runs (``pooled``): a machine
+whose speed drifts steadily during the sweep then slows every method alike, baseline included.
 
 Speculation's gain shrinks as the batch grows: at batch 1 a verify of many tokens costs about what one token
 costs (the forward is bound by reading the weights), but a full batch already keeps the machine's arithmetic
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import date
 
 from drafters import build_drafter
@@ -70,8 +72,20 @@ def measure(target: TargetModel, label: str, prompts: list[list[int]], batch_siz
     pooled_tau = sum(r.accepted + 1 for r in steps) / len(steps) if steps else tau([])
     speeds = [len(o) / (b - a) for o, a, b in zip(outputs, joined, left) if b > a]
     point = BatchPoint(label, batch_size, len(prompts), tokens, round(wall, 3), round(pooled_tau, 3),
-                       round(tokens / wall, 2), round(sum(speeds) / max(len(speeds), 1), 2), settings=settings)
+                       round(tokens / wall, 2), round(sum(speeds) / max(len(speeds), 1), 2), settings=settings,
+                       runs=[round(tokens / wall, 2)])
     return point, outputs
+
+
+def pooled(first: BatchPoint, again: BatchPoint) -> BatchPoint:
+    """One method's two runs at one batch size as one point: its tokens over their mean time, their mean τ and
+    per-sequence speed, the fewer identical sequences; ``runs`` keeps both throughputs (the machine's drift)."""
+    wall = (first.wall_s + again.wall_s) / 2
+    identical = None if first.identical is None else min(first.identical, again.identical or 0)
+    return replace(first, wall_s=round(wall, 3), tau=round((first.tau + again.tau) / 2, 3),
+                   throughput=round(first.new_tokens / wall, 2),
+                   sequence_tok_s=round((first.sequence_tok_s + again.sequence_tok_s) / 2, 2), identical=identical,
+                   runs=[*first.runs, *again.runs])
 
 
 RESUME_KEYS = ("target", "device", "dtype", "machine", "questions", "max_new_tokens", "sampling")
@@ -85,13 +99,16 @@ def kept_sizes(done: BatchSweep, sweep: BatchSweep, labels: list[str]) -> set[in
     if other:
         raise SettingsError(f"the sweep to resume ran with another {', '.join(other)}: "
                             f"{', '.join(f'{getattr(done, k)!r}' for k in other)}")
-    return {p.batch_size for p in done.points if all(done.point(m, p.batch_size) for m in labels)}
+    runs = 2 if len(labels) > 1 else 1
+    return {p.batch_size for p in done.points
+            if all((q := done.point(m, p.batch_size)) and len(q.runs) >= runs for m in labels)}
 
 
 def sweep_points(target: TargetModel, methods: list[str], questions: list[Question], batch_sizes: list[int],
                  max_new_tokens: int = 128, sampling: Sampling | None = None, source: str = "",
-                 done: BatchSweep | None = None) -> Iterator[BatchSweep]:
-    """Every method (AR first, always) at every batch size on ``questions``: the sweep so far after each point.
+                 done: BatchSweep | None = None, repeat: bool = True) -> Iterator[BatchSweep]:
+    """Every method (AR first, always) at every batch size on ``questions``: the sweep so far after each run.
+    ``repeat``: run them again in reverse order and pool the two (the module docstring); without it, once each.
     ``done``: a killed run of the same sweep, whose complete batch sizes are kept (``kept_sizes``)."""
     sampling = sampling or Sampling()
     if not batch_sizes or min(batch_sizes) < 1:
@@ -113,13 +130,18 @@ def sweep_points(target: TargetModel, methods: list[str], questions: list[Questi
         if batch_size in kept:
             continue
         reference = None
-        for label in labels:
+        order = labels + labels[::-1] if repeat and len(labels) > 1 else labels
+        for i, label in enumerate(order):
             point, outputs = measure(target, label, prompts, batch_size, max_new_tokens, sampling)
-            if label == "ar":
+            if label == "ar" and reference is None:
                 reference = outputs
-            elif sampling.greedy and reference is not None:
-                point = BatchPoint(**{**asdict(point), "identical": sum(a == b for a, b in zip(outputs, reference))})
-            sweep.points.append(point)
+            elif label != "ar" and sampling.greedy and reference is not None:
+                point = replace(point, identical=sum(a == b for a, b in zip(outputs, reference)))
+            if i < len(labels):
+                sweep.points.append(point)
+            else:  # the reverse pass: this label's second run joins its first
+                first = sweep.point(label, batch_size)
+                sweep.points[sweep.points.index(first)] = pooled(first, point)
             yield sweep
 
 
