@@ -29,9 +29,13 @@ def test_a_sweep_has_every_method_at_every_batch_size_beside_ar(target, tmp_path
                         source="mt-bench", on_point=lambda s: saved.append(len(s.points)))
     assert [(p.method, p.batch_size) for p in sweep.points] == [
         (m, b) for b in (1, 2) for m in ("ar", "pld:num_tokens=3", look, apart)]
-    assert saved == [1, 2, 3, 4, 4, 4, 4, 4, 5, 6, 7, 8, 8, 8, 8, 8]  # after every run: a killed sweep keeps them
-    for p in sweep.points:  # every method ran twice, in order and reversed: one point pools both
-        assert len(p.runs) == 2 and min(p.runs) <= p.throughput <= max(p.runs)
+    assert saved == [1, 2, 3, 4, 5, 6, 7, 8]  # after every point: a killed sweep keeps what it measured
+    for b in (1, 2):  # AR ran before and after every method: its point pools its 4 runs, each method's baseline
+        ar, runs = sweep.point("ar", b), sweep.point("ar", b).runs  # is the pair around it
+        assert len(runs) == 4 and min(runs) <= ar.throughput <= max(runs)
+        for i, m in enumerate(["pld:num_tokens=3", look, apart]):
+            p = sweep.point(m, b)
+            assert p.baseline == round((runs[i] + runs[i + 1]) / 2, 2) and sweep.speedup(p) == p.throughput / p.baseline
     assert sweep.point(apart, 2).settings == {"num_tokens": 3} and sweep.point(apart, 2).identical == 3
     with pytest.raises(SettingsError, match="batched_drafting is 1"):
         batch_sweep(target, ["pld:batched_drafting=2"], questions, [1], max_new_tokens=4)
@@ -68,8 +72,8 @@ def test_the_command_writes_the_sweep_and_refuses_what_it_cannot_do(tiny_target_
 
 
 def test_a_killed_sweep_resumes_keeping_only_whole_batch_sizes(tiny_target_dir, tmp_path, monkeypatch, capsys):
-    """A resume keeps the batch sizes every method finished (both passes) and measures a half-done size again
-    whole, so a speedup never compares runs of two processes; a file made another way is refused."""
+    """A resume keeps the batch sizes every method finished (with the AR run after it) and measures a half-done
+    size again whole, so a speedup never compares runs of two processes; a file made another way is refused."""
     from specviz.apps import batching
 
     out = tmp_path / "batches.json"
@@ -78,13 +82,13 @@ def test_a_killed_sweep_resumes_keeping_only_whole_batch_sizes(tiny_target_dir, 
     assert main(command) == 0
     killed = BatchSweep.load(out)
     first = {(p.method, p.batch_size): p for p in killed.points}
-    killed.points[-1] = dataclasses.replace(killed.points[-1], runs=killed.points[-1].runs[:1])  # in the reverse pass
+    killed.points[-1] = dataclasses.replace(killed.points[-1], baseline=None)  # killed before AR's run after pld
     killed.save(out)
     measured, measure = [], batching.measure
-    monkeypatch.setattr(batching, "measure", lambda t, label, ps, b, *a: measured.append((label, b)) or measure(
-        t, label, ps, b, *a))
+    monkeypatch.setattr(batching, "measure", lambda t, label, ps, b, *a, **k: measured.append((label, b)) or measure(
+        t, label, ps, b, *a, **k))
     assert main([*command, "--resume"]) == 0
-    assert measured == [("ar", 2), ("pld", 2), ("pld", 2), ("ar", 2)]  # batch 1 kept, batch 2 again, both passes
+    assert measured == [("ar", 2), ("pld", 2), ("ar", 2)]  # batch 1 kept, batch 2 again whole
     resumed = BatchSweep.load(out)
     assert [(p.method, p.batch_size) for p in resumed.points] == [("ar", 1), ("pld", 1), ("ar", 2), ("pld", 2)]
     assert resumed.point("pld", 1) == first["pld", 1]

@@ -25,7 +25,8 @@ class BatchPoint:
     sequence_tok_s: float  # each sequence's tokens over its own time in the batch, averaged
     identical: int | None = None  # sequences equal to AR's at this batch size (greedy runs only)
     settings: dict = field(default_factory=dict)  # what the method ran at
-    runs: list[float] = field(default_factory=list)  # each run's throughput (``throughput`` pools them)
+    runs: list[float] = field(default_factory=list)  # each run's throughput (AR's point pools several)
+    baseline: float | None = None  # AR's throughput around this run (the two AR runs beside it), where measured
 
 
 @dataclass
@@ -44,7 +45,11 @@ class BatchSweep:
         return next((p for p in self.points if p.method == method and p.batch_size == batch_size), None)
 
     def speedup(self, point: BatchPoint) -> float | None:
-        """``point``'s throughput over AR's at the same batch size."""
+        """``point``'s throughput over AR's around it (its ``baseline``), else over AR's point at its batch size."""
+        if point.method == "ar":
+            return 1.0
+        if point.baseline:
+            return point.throughput / point.baseline
         ar = self.point("ar", point.batch_size)
         return point.throughput / ar.throughput if ar and ar.throughput else None
 
@@ -71,7 +76,8 @@ class BatchSweep:
         sizes = sorted({p.batch_size for p in self.points})
         methods = list(dict.fromkeys(p.method for p in self.points))
         head = (f"{self.questions}, {self.max_new_tokens} new tokens, {self.dtype} on {self.machine}, {self.date}. "
-                "Each cell: throughput in tok/s (× AR at the same batch size) · one sequence's tok/s · τ.")
+                "Each cell: throughput in tok/s (× AR at the same batch size, the AR runs just before and after it "
+                "where measured) · one sequence's tok/s · τ.")
         rows = ["| method | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
         for m in methods:
             rows.append(f"| {m} | " + " | ".join(self._cell(self.point(m, b)) for b in sizes) + " |")

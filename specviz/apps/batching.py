@@ -1,7 +1,8 @@
 """Throughput against batch size (``bench --batch-sizes``): every method decodes the questions B at a time
-(``core.batch``, continuous batching), beside AR at the same B, in one process. Each batch size runs its methods
-twice, in order and then in reverse (A B C, C B A), and each point pools its two runs (``pooled``): a machine
-whose speed drifts steadily during the sweep then slows every method alike, baseline included.
+(``core.batch``, continuous batching), beside AR at the same B, in one process. At each batch size AR runs
+before and after every method (AR M1 AR M2 AR ...), and a method's speedup is over the mean of the two AR runs
+around it (``BatchPoint.baseline``): a shared machine whose speed drifts during the sweep (a fifth within
+minutes, seen) moves a method's baseline with it. AR's own point pools all its runs.
 
 Speculation's gain shrinks as the batch grows: at batch 1 a verify of many tokens costs about what one token
 costs (the forward is bound by reading the weights), but a full batch already keeps the machine's arithmetic
@@ -31,6 +32,8 @@ from .methods import parse_method
 from .questions import Question
 from .tuning import resolve
 
+WARM_TOKENS = 16  # a warm-up's tokens a prompt: oneDNN builds a kernel the first time it meets a row count (ms each)
+
 
 def lane_by_lane(drafter: Drafter) -> Drafter:
     """``drafter`` drafting a batch's lanes one call each, with its own batched call on one lane at a time: the
@@ -42,9 +45,10 @@ def lane_by_lane(drafter: Drafter) -> Drafter:
 
 
 def measure(target: TargetModel, label: str, prompts: list[list[int]], batch_size: int, max_new_tokens: int,
-            sampling: Sampling) -> tuple[BatchPoint, list[list[int]]]:
+            sampling: Sampling, warm: bool = True) -> tuple[BatchPoint, list[list[int]]]:
     """One method at one batch size over ``prompts``: its point and every sequence's output. A label's
-    ``batched_drafting=0`` drafts lane by lane (``lane_by_lane``) at the budget the method has without it."""
+    ``batched_drafting=0`` drafts lane by lane (``lane_by_lane``) at the budget the method has without it.
+    ``warm``: first decode every prompt for ``WARM_TOKENS`` (its prefill and the step shapes the timed run meets)."""
     name, given = parse_method(label)
     batched = given.pop("batched_drafting", 1)
     if batched not in (0, 1):
@@ -54,8 +58,8 @@ def measure(target: TargetModel, label: str, prompts: list[list[int]], batch_siz
     drafter = build_drafter(name, target, **settings)
     if not batched:
         drafter = lane_by_lane(drafter)
-    for _ in generate_batch(target, drafter, prompts[:2], 4, sampling, min(batch_size, 2)):
-        pass  # warm-up: one-off costs stay out of the timing
+    for _ in generate_batch(target, drafter, prompts if warm else [], WARM_TOKENS, sampling, batch_size):
+        pass  # one-off costs stay out of the timing
     records: list[list] = [[] for _ in prompts]
     joined, left = [0.0] * len(prompts), [0.0] * len(prompts)
     start = time.perf_counter()
@@ -78,13 +82,12 @@ def measure(target: TargetModel, label: str, prompts: list[list[int]], batch_siz
 
 
 def pooled(first: BatchPoint, again: BatchPoint) -> BatchPoint:
-    """One method's two runs at one batch size as one point: its tokens over their mean time, their mean τ and
-    per-sequence speed, the fewer identical sequences; ``runs`` keeps both throughputs (the machine's drift)."""
-    wall = (first.wall_s + again.wall_s) / 2
-    identical = None if first.identical is None else min(first.identical, again.identical or 0)
-    return replace(first, wall_s=round(wall, 3), tau=round((first.tau + again.tau) / 2, 3),
-                   throughput=round(first.new_tokens / wall, 2),
-                   sequence_tok_s=round((first.sequence_tok_s + again.sequence_tok_s) / 2, 2), identical=identical,
+    """AR's runs at one batch size as one point: its tokens over their mean time (each run's throughput kept
+    in ``runs``, to show the machine's drift), their mean per-sequence speed."""
+    n = len(first.runs)
+    wall = (first.wall_s * n + again.wall_s) / (n + 1)
+    return replace(first, wall_s=round(wall, 3), throughput=round(first.new_tokens / wall, 2),
+                   sequence_tok_s=round((first.sequence_tok_s * n + again.sequence_tok_s) / (n + 1), 2),
                    runs=[*first.runs, *again.runs])
 
 
@@ -99,17 +102,17 @@ def kept_sizes(done: BatchSweep, sweep: BatchSweep, labels: list[str]) -> set[in
     if other:
         raise SettingsError(f"the sweep to resume ran with another {', '.join(other)}: "
                             f"{', '.join(f'{getattr(done, k)!r}' for k in other)}")
-    runs = 2 if len(labels) > 1 else 1
     return {p.batch_size for p in done.points
-            if all((q := done.point(m, p.batch_size)) and len(q.runs) >= runs for m in labels)}
+            if all((q := done.point(m, p.batch_size)) and (m == "ar" or q.baseline is not None) for m in labels)}
 
 
 def sweep_points(target: TargetModel, methods: list[str], questions: list[Question], batch_sizes: list[int],
                  max_new_tokens: int = 128, sampling: Sampling | None = None, source: str = "",
-                 done: BatchSweep | None = None, repeat: bool = True) -> Iterator[BatchSweep]:
-    """Every method (AR first, always) at every batch size on ``questions``: the sweep so far after each run.
-    ``repeat``: run them again in reverse order and pool the two (the module docstring); without it, once each.
-    ``done``: a killed run of the same sweep, whose complete batch sizes are kept (``kept_sizes``)."""
+                 done: BatchSweep | None = None, bracket: bool = True) -> Iterator[BatchSweep]:
+    """Every method (AR first, always) at every batch size on ``questions``: the sweep so far after each point.
+    ``bracket``: AR again after every method, the method's baseline the two around it (the module docstring);
+    without it, AR once. ``done``: a killed run of the same sweep, whose complete batch sizes are kept
+    (``kept_sizes``)."""
     sampling = sampling or Sampling()
     if not batch_sizes or min(batch_sizes) < 1:
         raise SettingsError(f"batch sizes must be positive integers, got {batch_sizes}")
@@ -129,19 +132,20 @@ def sweep_points(target: TargetModel, methods: list[str], questions: list[Questi
     for batch_size in batch_sizes:
         if batch_size in kept:
             continue
-        reference = None
-        order = labels + labels[::-1] if repeat and len(labels) > 1 else labels
-        for i, label in enumerate(order):
+        ar, reference = measure(target, "ar", prompts, batch_size, max_new_tokens, sampling)
+        sweep.points.append(ar)
+        yield sweep
+        for label in labels[1:]:
             point, outputs = measure(target, label, prompts, batch_size, max_new_tokens, sampling)
-            if label == "ar" and reference is None:
-                reference = outputs
-            elif label != "ar" and sampling.greedy and reference is not None:
+            if sampling.greedy:
                 point = replace(point, identical=sum(a == b for a, b in zip(outputs, reference)))
-            if i < len(labels):
-                sweep.points.append(point)
-            else:  # the reverse pass: this label's second run joins its first
-                first = sweep.point(label, batch_size)
-                sweep.points[sweep.points.index(first)] = pooled(first, point)
+            if bracket:
+                before = ar.runs[-1]
+                again, _ = measure(target, "ar", prompts, batch_size, max_new_tokens, sampling, warm=False)
+                point = replace(point, baseline=round((before + again.throughput) / 2, 2))
+                index = sweep.points.index(ar)
+                ar = sweep.points[index] = pooled(ar, again)
+            sweep.points.append(point)
             yield sweep
 
 

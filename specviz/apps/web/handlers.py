@@ -229,7 +229,7 @@ class Handlers:
                 notes.append(f"batch {', '.join(str(b) for b in BATCH_SIZES if b not in sizes)} left out: it needs "
                              "as many questions")
             steps = state.on_engine_thread(sweep_points(state.target, labels, questions, sizes, max_new_tokens,
-                                                        source=question_set, repeat=False))  # a page's budget
+                                                        source=question_set, bracket=False))  # a page's budget
             deadline, total = time.perf_counter() + BENCH_BUDGET_S, len(sizes) * (len(set(labels) - {"ar"}) + 1)
             for sweep in steps:
                 if time.perf_counter() > deadline:
