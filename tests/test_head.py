@@ -97,6 +97,20 @@ def test_refined_head_makes_every_token_of_a_crowded_top_exact():
     assert torch.equal(got[1, 10: 34], got[1, 10].expand(24))  # every one of them exact
 
 
+def test_refined_head_takes_the_whole_product_for_a_flat_row(monkeypatch):
+    """A zero input ties every token: all are candidates, and past ``CANDIDATES`` a row the whole fp32 product
+    is taken instead of gathering them (on the real vocabulary, 49,152 rows of weights a row)."""
+    from specviz.core import head
+
+    weight, x = _near_ties(seed=3, rows=3)
+    x[1] = 0.0
+    with torch.inference_mode():
+        got = _refined(weight, x)
+        assert torch.equal(got[1], torch.zeros(VOCAB)) and int(top_ids(got[1])) == 0  # every token, exactly
+        monkeypatch.setattr(head, "CANDIDATES", 8)
+        assert torch.equal(_refined(weight, x), torch.nn.functional.linear(x, weight))
+
+
 def _bf16_llama(tiny_llama, num_layers: int = 4):
     model = tiny_llama(VOCAB, seed=0, num_layers=num_layers, std=0.05).to(torch.bfloat16)  # small: ties at bf16
     return prepare(model, pack=True)

@@ -10,7 +10,8 @@ and more as the verify's rows grow. Here the head computes, for its fp32 input x
    ``r·‖x - bf16(x)‖`` (the input's rounding, by Cauchy-Schwarz with ``r`` the largest row norm of W)
    ``+ 2γ·r·‖x‖`` (two fp32 sums' rounding, ``γ = K·2⁻²³`` over K inputs) ``+ 2⁻⁸·|max C|`` (the output's
    rounding), with a tenth more for the rest;
-3. ``L_v`` for every candidate ``C_v ≥ max C - 2E``, written over its coarse value.
+3. ``L_v`` for every candidate ``C_v ≥ max C - 2E``, written over its coarse value (or, where the rows have
+   more than ``CANDIDATES`` each, as a flat row has, the whole fp32 product instead).
 
 The argmax of the result is the argmax of ``L``: the token with the largest ``L`` is a candidate (its ``C`` is
 within E of its ``L``, which is at least the ``L`` of C's argmax, within E of ``max C``), and every other token's
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from .packing import install, installed, pack, packed_linear, packed_weight
 
 ROW_NORM = "_specviz_row_norm"  # the largest row norm of the head's weight: ``r`` above
+CANDIDATES = 512  # candidates a row, on average, past which the whole fp32 product is cheaper than gathering them
 
 
 def refined_logits(x: torch.Tensor, weight: torch.Tensor, coarse: torch.Tensor, row_norm: float) -> torch.Tensor:
@@ -46,6 +48,8 @@ def refined_logits(x: torch.Tensor, weight: torch.Tensor, coarse: torch.Tensor, 
     bound = 1.1 * (row_norm * (flat - low.float()).norm(dim=-1) + 2 * gamma * row_norm * flat.norm(dim=-1)
                    + 2.0 ** -8 * top.abs()) + 1e-30
     rows, cols = (logits >= (top - 2 * bound)[:, None]).nonzero(as_tuple=True)
+    if rows.numel() > CANDIDATES * flat.shape[0]:  # a flat row (a zero input ties every token): the whole product
+        return F.linear(x, weight)
     logits[rows, cols] = (flat[rows] * weight[cols]).sum(-1)
     return logits.view(*x.shape[:-1], logits.shape[-1])
 
