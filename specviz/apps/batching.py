@@ -82,13 +82,12 @@ def measure(target: TargetModel, label: str, prompts: list[list[int]], batch_siz
 
 
 def pooled(first: BatchPoint, again: BatchPoint) -> BatchPoint:
-    """AR's runs at one batch size as one point: its tokens over their mean time (each run's throughput kept
-    in ``runs``, to show the machine's drift), their mean per-sequence speed."""
-    n = len(first.runs)
-    wall = (first.wall_s * n + again.wall_s) / (n + 1)
-    return replace(first, wall_s=round(wall, 3), throughput=round(first.new_tokens / wall, 2),
-                   sequence_tok_s=round((first.sequence_tok_s * n + again.sequence_tok_s) / (n + 1), 2),
-                   runs=[*first.runs, *again.runs])
+    """AR's runs at one batch size as one point: its tokens over their mean time, i.e. the harmonic mean of the
+    runs' throughputs (each kept in ``runs``, to show the machine's drift), their mean per-sequence speed."""
+    n, runs = len(first.runs), [*first.runs, *again.runs]
+    return replace(first, wall_s=round((first.wall_s * n + again.wall_s) / (n + 1), 3),
+                   throughput=round(len(runs) / sum(1 / r for r in runs), 2),
+                   sequence_tok_s=round((first.sequence_tok_s * n + again.sequence_tok_s) / (n + 1), 2), runs=runs)
 
 
 RESUME_KEYS = ("target", "device", "dtype", "machine", "questions", "max_new_tokens", "sampling")
