@@ -147,6 +147,23 @@ def ref_greedy():
     return reference_greedy
 
 
+def greedy_as_ar(target: TargetModel, drafter, prompts, max_new_tokens: int,
+                 reference: TargetModel | None = None) -> int:
+    """Assert that ``drafter`` decodes every prompt on ``target`` (greedy) exactly as AR does on ``reference``
+    (default: ``target`` itself); returns how many draft tokens were accepted, for a caller to check the
+    comparison was not vacuous."""
+    from drafters.ar import AutoregressiveDrafter
+    from specviz.core.engine import run
+
+    accepted = 0
+    for prompt in prompts:
+        want = run(reference or target, AutoregressiveDrafter(), prompt, max_new_tokens, stop_on_eos=False).output_ids
+        result = run(target, drafter, prompt, max_new_tokens, stop_on_eos=False)
+        assert result.output_ids == want, f"{prompt}: not AR's output"
+        accepted += sum(r.accepted for r in result.records)
+    return accepted
+
+
 def chi2_pvalue(counts: dict, expected: dict) -> float:
     """Pearson chi-square of observed cell counts against exact cell probabilities.
 

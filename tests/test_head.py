@@ -8,9 +8,8 @@ import copy
 import pytest
 import torch
 
+from conftest import greedy_as_ar
 from drafters import build_drafter
-from drafters.ar import AutoregressiveDrafter
-from specviz.core.engine import run
 from specviz.core.head import refine_head, refined, refined_logits
 from specviz.core.load import prepare
 from specviz.core.packing import pack, packed_linear, plain_copy, unpacked
@@ -139,12 +138,6 @@ def test_prepare_refines_a_bf16_models_head_but_not_an_fp32_ones(tiny_llama):
 def test_speculation_on_the_refined_head_is_lossless(method, settings, tiny_llama):
     """Greedy speculation on a bf16 target with the refined head gives its own AR output, tree rows and all."""
     target = TargetModel(_bf16_llama(tiny_llama))
-    drafter = build_drafter(method, target, **settings)
     prompts = [[3, 7, 1, 9, 3, 7, 1, 9, 3], [5, 5, 2, 8, 11, 2, 8, 11], [30, 1, 4, 1, 5, 9, 2, 6]]
-    accepted = 0
-    for prompt in prompts:
-        want = run(target, AutoregressiveDrafter(), prompt, 40, stop_on_eos=False).output_ids
-        result = run(target, drafter, prompt, 40, stop_on_eos=False)
-        assert result.output_ids == want
-        accepted += sum(r.accepted for r in result.records)
+    accepted = greedy_as_ar(target, build_drafter(method, target, **settings), prompts, 40)
     assert accepted > 0, "no draft token was ever accepted: the check is vacuous"

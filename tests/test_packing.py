@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import train_tiny_drafter
+from conftest import greedy_as_ar, train_tiny_drafter
 from drafters import build_drafter
-from drafters.ar import AutoregressiveDrafter
-from specviz.core.engine import run
 from specviz.core.load import prepare
 from specviz.core.packing import linear, pack, pack_linears, unpacked
 from specviz.core.target import TargetModel
@@ -65,10 +63,7 @@ def test_packed_target_decodes_as_the_default_one(method, settings, tiny_llama):
     plain = TargetModel(tiny_llama(VOCAB, seed=0, num_layers=4))
     packed = TargetModel(prepare(tiny_llama(VOCAB, seed=0, num_layers=4), pack=True))
     assert packed.packed_linears > 0 and packed.kernels.startswith("oneDNN") and plain.kernels == "default"
-    drafter = build_drafter(method, packed, **settings)
-    for prompt in PROMPTS:
-        want = run(plain, AutoregressiveDrafter(), prompt, 30, stop_on_eos=False).output_ids
-        assert run(packed, drafter, prompt, 30, stop_on_eos=False).output_ids == want
+    greedy_as_ar(packed, build_drafter(method, packed, **settings), PROMPTS, 30, reference=plain)
 
 
 @pytest.mark.parametrize("method,settings", [("eagle2", dict(depth=4, top_k=3, total_tokens=10)),
@@ -81,10 +76,5 @@ def test_trained_drafters_pack_and_stay_lossless(method, settings, tiny_llama, t
     drafter = build_drafter(method, packed, checkpoint=str(folder), **settings)
     assert drafter.frozen.packed_head is not None
     assert any(hasattr(m, "_specviz_packed") for m in drafter.net.modules())
-    accepted = 0
-    for prompt in PROMPTS:
-        want = run(plain, AutoregressiveDrafter(), prompt, 30, stop_on_eos=False).output_ids
-        result = run(packed, drafter, prompt, 30, stop_on_eos=False)
-        assert result.output_ids == want
-        accepted += sum(r.accepted for r in result.records)
+    accepted = greedy_as_ar(packed, drafter, PROMPTS, 30, reference=plain)
     assert accepted > 0, "no draft token was ever accepted: the check is vacuous"

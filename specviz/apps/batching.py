@@ -58,8 +58,9 @@ def measure(target: TargetModel, label: str, prompts: list[list[int]], batch_siz
     drafter = build_drafter(name, target, **settings)
     if not batched:
         drafter = lane_by_lane(drafter)
-    for _ in generate_batch(target, drafter, prompts if warm else [], WARM_TOKENS, sampling, batch_size):
-        pass  # one-off costs stay out of the timing
+    if warm:  # one-off costs stay out of the timing
+        for _ in generate_batch(target, drafter, prompts, WARM_TOKENS, sampling, batch_size):
+            pass
     records: list[list] = [[] for _ in prompts]
     joined, left = [0.0] * len(prompts), [0.0] * len(prompts)
     start = time.perf_counter()

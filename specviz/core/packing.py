@@ -150,4 +150,4 @@ def unpacked(model: torch.nn.Module):
         yield
     finally:
         for module in packed:
-            module.forward = types.MethodType(getattr(module, _FORWARD, _packed_forward), module)
+            module.forward = types.MethodType(getattr(module, _FORWARD), module)
