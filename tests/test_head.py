@@ -141,3 +141,29 @@ def test_speculation_on_the_refined_head_is_lossless(method, settings, tiny_llam
     prompts = [[3, 7, 1, 9, 3, 7, 1, 9, 3], [5, 5, 2, 8, 11, 2, 8, 11], [30, 1, 4, 1, 5, 9, 2, 6]]
     accepted = greedy_as_ar(target, build_drafter(method, target, **settings), prompts, 40)
     assert accepted > 0, "no draft token was ever accepted: the check is vacuous"
+
+
+def test_the_compiled_path_runs_the_refined_head_after_its_graph(tiny_llama, monkeypatch):
+    """``--engine compiled`` on a bf16 target: the graph ends at the final norm and the refined head runs eagerly on
+    its output (in a graph it would be the plain fp32 product), so a verify's logits are the refined head's of its
+    features; speculation on that path gives the path's own AR text."""
+    import specviz.core.head as head_module
+
+    target = TargetModel(_bf16_llama(tiny_llama, num_layers=2))
+    assert target.use_engine("compiled").path == "compiled"
+    head = target.model.get_output_embeddings()
+    assert target.captured.head is head
+    calls, graph = [], target.captured._fn
+    real = head_module.refined_logits
+    monkeypatch.setattr(head_module, "refined_logits", lambda *args: calls.append("head") or real(*args))
+    monkeypatch.setattr(target.captured, "_fn", lambda **kwargs: calls.append("graph") or graph(**kwargs))
+    cache = target.new_cache(64)
+    target.prefill([3, 7, 1, 9, 3, 7], cache)
+    calls.clear()
+    logits, feats = target.forward_rows(torch.tensor([[9, 3, 7]]), torch.arange(6, 9)[None], None, cache)
+    assert calls == ["graph", "head"], calls  # the compiled graph, then the refined head
+    with torch.inference_mode():
+        assert torch.equal(logits, head(feats))
+        assert torch.equal(top_ids(logits), top_ids(_exact(head.weight, feats)))
+    prompts = [[3, 7, 1, 9, 3, 7, 1, 9, 3], [5, 5, 2, 8, 11, 2, 8, 11]]
+    assert greedy_as_ar(target, build_drafter("pld", target), prompts, 32) > 0

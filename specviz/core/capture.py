@@ -18,6 +18,10 @@ without graphs, which is how the tests check it).
 A feature drafter compiles its own network step and head the same way where that pays (off the CPU, or where
 ``SPECVIZ_DRAFTER_ENGINE=compiled``; ``drafters/captured.py``), when it is built.
 
+A bf16 target's refined LM head (``core.head``: a bf16 product, exact in fp32 at the top) runs after the graph,
+eagerly: the graph ends at the final norm. Inside a graph the head would be the plain fp32 product, which costs a
+tree verify's rows several times more.
+
 Which forwards go through it (``TargetModel.forward_rows`` decides, per call): one sequence on a ``SlabCache``
 whose buffers exist. The prefill (once per decode, of any length), batches and other caches run eager: a graph
 for each would cost more compile time than it saves.
@@ -52,10 +56,11 @@ import torch._inductor.config as inductor_config
 from torch.utils._pytree import tree_map_only
 
 from .files import cache_dir
+from .head import refined
 
 ENGINES = ("eager", "compiled", "auto")  # auto: compiled where torch.compile works here, else eager
 LAYOUTS = ("live", "buffer")  # what attention reads in a compiled forward: the live rows, or the whole buffer
-REVISION = 2  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
+REVISION = 3  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
 
 
 def capture_unsupported(device: torch.device) -> str:
@@ -109,17 +114,18 @@ def plain_causal_lm(model: torch.nn.Module) -> bool:
     return decoder is not None and decoder is not model
 
 
-def decoder_then_head(model: torch.nn.Module):
+def decoder_then_head(model: torch.nn.Module, head_inside: bool = True):
     """The causal LM's forward as decoder, then head (``plain_causal_lm`` models): a function of the decoder's
     keyword arguments and ``keep`` that returns (logits, the last hidden state, i.e. the features). Its
-    ``decoder`` attribute is the module those keywords are for."""
+    ``decoder`` attribute is the module those keywords are for, ``head`` the output head. Without
+    ``head_inside`` it stops at the hidden state and returns None for the logits: the caller runs the head."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()
 
     def forward(keep: int = 0, **kwargs):
         hidden = decoder(**kwargs).last_hidden_state
-        return head(hidden[:, -keep:] if keep else hidden), hidden
+        return (head(hidden[:, -keep:] if keep else hidden) if head_inside else None), hidden
 
-    forward.decoder = decoder
+    forward.decoder, forward.head = decoder, head
     return forward
 
 
@@ -185,6 +191,11 @@ class CapturedForward:
         self.graphs = device.type == "cuda" and self.layout == "buffer"
         self.split = plain is not None
         self.module = plain.decoder if self.split else model  # what the keyword arguments are for
+        # a refined head (``core.head``) runs after the graph, eager: inside one it would be the plain fp32 product,
+        # which costs a tree verify's rows several times what the refined head does
+        self.head = plain.head if self.split and refined(model) else None
+        if self.head is not None:
+            plain = decoder_then_head(model, head_inside=False)
         self._fn = compile_forward(plain if self.split else model.forward, device, self.graphs)
         self.ready = False
         self.error: str | None = None
@@ -196,6 +207,8 @@ class CapturedForward:
         the outputs (with every hidden state) only where the whole forward was compiled."""
         if self.split:
             logits, hidden = run_graph(self._fn, self.graphs, keep=keep, **kwargs)
+            if self.head is not None:
+                logits = self.head(hidden[:, -keep:] if keep else hidden)
             return logits, hidden, None
         out = run_graph(self._fn, self.graphs, **kwargs, logits_to_keep=keep, output_hidden_states=True)
         return out.logits, out.hidden_states[-1], out
