@@ -22,8 +22,8 @@ jumps of a thousandth, and near-ties would break differently). Tokens far below 
 precision (what a bf16 model's own head gives everywhere); those within ``2E`` of the top are exact.
 
 It needs the head's fp32 weight to be bf16 values (a bf16 model's, upcast), no bias, and packing on this
-build; under autograd, autocast or ``torch.compile`` (inductor packs the fp32 product itself), or for an
-input that is not fp32, it is the plain fp32 product.
+build; under autograd, autocast or inside a ``torch.compile`` graph (``core.capture`` ends its graph before the
+head, so this one runs after it), or for an input that is not fp32, it is the plain fp32 product.
 """
 
 from __future__ import annotations
