@@ -1,5 +1,5 @@
 """Captured drafter forwards: a feature drafter's network step and its draft head compiled, as the target's verify
-forward is (``core.capture``: the same freezing, guards and code objects of their own).
+forward is (``core.capture``: the same guards, packed layers as opaque operators, code objects of their own).
 
 A feature drafter (EAGLE-2/3, HASS, FSPAD) runs two small computations per tree depth: its one-layer network over
 the frontier, then the draft head's log-probabilities and their top k. Eager, each costs a launch per operator and
@@ -56,8 +56,8 @@ def shared_captures(model: nn.Module) -> dict:
 
 
 class _Head(nn.Module):
-    """The draft head's weight as a module's buffer, so freezing lays it out for the matrix kernels (a plain tensor
-    would be a graph input, multiplied unpacked on every call). Shares the frozen head's storage."""
+    """The draft head's weight as a module's buffer (shares the frozen head's storage): a graph input, multiplied
+    as it is (on a CPU, where drafters compile only when asked to, without the eager head's packing)."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()

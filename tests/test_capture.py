@@ -23,11 +23,13 @@ from drafters.captured import capture_drafters
 from specviz.apps.cli import main
 from specviz.apps.methods import split_engine
 from specviz.apps.results import BenchResult
+from specviz.core import packing
 from specviz.core.attention import NAME
-from specviz.core.capture import EngineStatus, plain_causal_lm
+from specviz.core.capture import CapturedForward, EngineStatus, plain_causal_lm
 from specviz.core.engine import generate, output_ids, run
 from specviz.core.errors import SettingsError
 from specviz.core.load import prepare
+from specviz.core.packing import pack, packed_count
 from specviz.core.target import TargetModel
 
 PROMPTS = [[3, 5, 7, 11, 13], [2, 9, 4, 4, 1, 30, 17, 8, 8, 21, 5]]
@@ -37,8 +39,8 @@ PROMPTS = [[3, 5, 7, 11, 13], [2, 9, 4, 4, 1, 30, 17, 8, 8, 21, 5]]
 def pair(tiny_llama, request):
     """(compiled, eager): two targets on one tiny model's weights, one compiled now, its attention reading the live
     rows or (as under CUDA graphs) the whole buffer. Prepared as ``load_target`` prepares a target: its grouped
-    heads attend without copies (``core.attention``), compiled as users run it."""
-    compiled = TargetModel(prepare(tiny_llama(vocab_size=64, seed=3, max_positions=320)))
+    heads attend without copies (``core.attention``), its linear layers packed, compiled as users run it."""
+    compiled = TargetModel(prepare(tiny_llama(vocab_size=64, seed=3, max_positions=320), pack=True))
     assert compiled.config._attn_implementation == NAME
     status = compiled.use_engine("compiled", layout=request.param)
     assert status.path == "compiled", status
@@ -134,13 +136,34 @@ def test_a_compiled_forward_that_breaks_mid_decode_hands_over_to_the_eager_path(
     assert target.engine.detail == detail
 
 
-def test_the_cpu_graph_runs_on_packed_weights(pair):
-    """Inductor froze the weights and packed the linear layers for oneDNN/MKL (not ``aten::mm`` on every call)."""
+def test_the_cpu_graph_runs_on_packed_weights(pair, monkeypatch):
+    """Every linear layer of a compiled forward is the eager path's packed product (``specviz::packed_linear``,
+    called from the graph), not ``aten::mm`` on unpacked weights."""
+    compiled, _ = pair
+    layers = packed_count(compiled.model)
+    assert layers == 2 * 7 + 1 or pack(torch.ones(2, 2)) is None  # two layers of seven, and the head
+    calls, graph = [], compiled.captured._fn
+    real = packing.packed_linear
+    monkeypatch.setattr(packing, "packed_linear", lambda *args: calls.append("layer") or real(*args))
+    monkeypatch.setattr(compiled.captured, "_fn", lambda **kwargs: calls.append("graph") or graph(**kwargs))
+    cache = compiled.new_cache(64)
+    compiled.prefill(PROMPTS[1], cache)
+    calls.clear()
+    compiled.forward_rows(torch.tensor([[5, 6]]), torch.tensor([[11, 12]]), None, cache)
+    assert calls == ["graph"] + ["layer"] * layers
+
+
+def test_a_second_compilation_comes_from_inductors_cache(pair):
+    """Nothing frozen into the graph: compiling the same target again (a new process does the same) is a hit in
+    inductor's cache of compiled graphs, not minutes of compiling."""
     from torch._dynamo.utils import counters
 
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch has no oneDNN: nothing to pack")
-    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0
+    compiled, _ = pair
+    hits, bypasses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_bypass"]
+    again = CapturedForward(compiled.model, compiled._plain, compiled.captured.layout)  # a code object of its own
+    assert again.warm(compiled), again.error
+    assert counters["inductor"]["fxgraph_cache_hit"] > hits
+    assert counters["inductor"]["fxgraph_cache_bypass"] == bypasses
 
 
 def test_two_compiled_targets_keep_their_own_weights(tiny_llama, ref_greedy):

@@ -52,7 +52,8 @@ def _kernels_arg(p: argparse.ArgumentParser) -> None:
                         "packed oneDNN weights (slower; for comparison)")
     p.add_argument("--engine", default="eager", choices=["eager", "compiled", "auto"],
                    help="the target's verify forwards: eager, or compiled once per process with torch.compile "
-                        "(frozen, packed weights on a CPU, minutes on a small one; inductor's kernels on a GPU); "
+                        "(around the packed linear layers on a CPU, minutes on a small one the first time, "
+                        "then cached; inductor's kernels on a GPU); "
                         "auto: compiled where this machine can, else eager")
 
 

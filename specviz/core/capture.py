@@ -1,9 +1,11 @@
 """Captured target forwards: the target's verify forward compiled once per process (``torch.compile``), so a step
 pays for the model's arithmetic rather than for Python and one kernel launch per operator.
 
-- **CPU**: inductor with freezing (the weights become constants, laid out for oneDNN, as ``core.packing`` does by
-  hand for the eager path), dynamic query length: one graph for a one-row forward (decode) and one for 2+ rows
+- **CPU**: inductor around the packed linear layers (``core.packing``: each one an opaque operator, the eager
+  path's own packed product), dynamic query length: one graph for a one-row forward (decode) and one for 2+ rows
   (a chain or a tree), whatever the context length, since the ``SlabCache`` is read as views of its live rows.
+  Without freezing (weights as constants, which inductor's cache does not keep), a compiled graph is cached
+  between processes: a second process compiles in seconds, not minutes.
 - **CUDA**: inductor's fused kernels replayed as CUDA graphs, one launch a forward. A CUDA graph is recorded per
   shape, so the forward runs in the **whole-buffer layout** (gpt-fast's): the new rows are written at slot
   tensors and attention reads the cache's whole buffer under a mask that hides the rows past the live ones
@@ -26,10 +28,10 @@ Which forwards go through it (``TargetModel.forward_rows`` decides, per call): o
 whose buffers exist. The prefill (once per decode, of any length), batches and other caches run eager: a graph
 for each would cost more compile time than it saves.
 
-Compiling takes minutes on a small CPU, so it happens in ``warm`` (on a scratch cache, every graph the decode
-will ask for) and the target serves on the eager path until ``ready``; ``start`` runs ``warm`` on a thread, for
-an app whose page must not wait. Inductor's own cache goes under ``~/.cache/specviz/inductor`` unless
-``TORCHINDUCTOR_CACHE_DIR`` says otherwise; it does not keep frozen graphs, so a CPU process compiles anew.
+Compiling takes minutes on a small CPU the first time, so it happens in ``warm`` (on a scratch cache, every graph
+the decode will ask for) and the target serves on the eager path until ``ready``; ``start`` runs ``warm`` on a
+thread, for an app whose page must not wait. Inductor's own cache goes under ``~/.cache/specviz/inductor`` unless
+``TORCHINDUCTOR_CACHE_DIR`` says otherwise.
 
 Guards: dynamo checks before each call that the graph still applies. Checks on the modules' attributes are
 off (hundreds of them, about a millisecond a forward), which is safe because each ``CapturedForward`` compiles a
@@ -52,7 +54,6 @@ from dataclasses import dataclass
 
 import torch
 import torch._dynamo
-import torch._inductor.config as inductor_config
 from torch.utils._pytree import tree_map_only
 
 from .files import cache_dir
@@ -60,7 +61,7 @@ from .head import refined
 
 ENGINES = ("eager", "compiled", "auto")  # auto: compiled where torch.compile works here, else eager
 LAYOUTS = ("live", "buffer")  # what attention reads in a compiled forward: the live rows, or the whole buffer
-REVISION = 3  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
+REVISION = 4  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
 
 
 def capture_unsupported(device: torch.device) -> str:
@@ -97,8 +98,7 @@ def failure_text(error: Exception) -> str:
 
 
 def use_cache_folder() -> None:
-    """Inductor's cache under ``~/.cache/specviz/inductor``: kernels of graphs without frozen weights survive
-    between processes there; a frozen graph (the CPU path) is compiled anew in each process."""
+    """Inductor's cache under ``~/.cache/specviz/inductor``: compiled graphs survive between processes there."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
@@ -131,8 +131,9 @@ def decoder_then_head(model: torch.nn.Module, head_inside: bool = True):
 
 def _own_code(fn):
     """``fn`` (a function or a bound method) with a code object of its own. Dynamo keeps compiled graphs per code
-    object, and a frozen graph holds one model's weights: two targets in one process must never share one, which
-    they would through ``decoder_then_head``'s closure or a model class's ``forward``."""
+    object, and a graph names one model's packed layers (``core.packing``) and, with module guards off, trusts its
+    modules unchecked: two targets in one process must never share one, which they would through
+    ``decoder_then_head``'s closure or a model class's ``forward``."""
     func, owner = (fn.__func__, fn.__self__) if isinstance(fn, types.MethodType) else (fn, None)
     code = func.__code__.replace(co_name=f"{func.__code__.co_name}_specviz{next(_CODES)}")
     own = types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__, func.__closure__)
@@ -171,10 +172,8 @@ def compile_forward(fn, device: torch.device, graphs: bool = False):
     fn = _own_code(fn)
     if device.type == "cuda":  # "triton.cudagraphs" is what mode="reduce-overhead" sets, which excludes options
         return torch.compile(fn, dynamic=True, options={**options, "triton.cudagraphs": graphs})
-    # freezing must be set in inductor's config itself: passed as ``torch.compile(options=...)`` it is not seen where
-    # inductor decides to freeze, and the weights stay unpacked (``aten::mm`` on every call). It applies only where
-    # autograd is off, as for every specviz forward; training is untouched.
-    inductor_config.freezing = True
+    # no freezing: the linear layers reach their packed kernels through ``specviz::packed_linear`` (``core.packing``),
+    # and a frozen graph (its weights inlined as constants) is one inductor's cache never keeps
     return torch.compile(fn, dynamic=True, options=options)
 
 

@@ -9,6 +9,12 @@ The packed copy sits beside the dense weight (the embedding it may be tied to, a
 read the head, keep using the dense one), so packing costs one more copy of the linear weights.
 It is for inference: with autograd or autocast on, a layer falls back to the plain ``linear``.
 
+Inside a compiled graph (``core.capture``) a packed layer is one opaque operator, ``specviz::packed_linear``,
+whose body is the eager layer itself (its packed weight, its ``plain_rows``): inductor compiles everything
+around it and needs no freezing to reach packed kernels, so its cache keeps the graph between processes. The
+operator names the layer by a number (``install`` gives every packed layer one), never by its weight: an
+opaque oneDNN tensor cannot enter a graph.
+
 Packed is not faster at every row count on every CPU: a packed layer may run its smallest calls (up to
 ``plain_rows`` rows) on the default kernels instead, where those measured faster on this machine
 (``core.kernels`` measures where; nothing here assumes one host's answer).
@@ -19,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -27,13 +35,16 @@ import torch.nn.functional as F
 _ATTR = "_specviz_packed"  # a module's packed weight
 _FORWARD = "_specviz_forward"  # the function its forward runs on it (``install``)
 _PLAIN_ROWS = "_specviz_plain_rows"
+_HANDLE = "_specviz_handle"  # a packed module's number for ``specviz::packed_linear``
+_MODULES: dict[int, weakref.ref] = {}  # number -> the packed module (weakly: a dropped model is not kept)
+_NUMBERS = itertools.count()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, plain_rows: int = 0) -> torch.Tensor:
     """``F.linear``, on ``packed`` (``pack(weight)``) where given, autograd and autocast are off, dtypes agree and
     ``x`` has more than ``plain_rows`` rows (all its dimensions but the last). Under ``torch.compile`` the plain
-    op: inductor's freezing packs the weight itself (``core.capture``)."""
+    op (a packed module runs ``specviz::packed_linear`` there instead, the module docstring)."""
     if ((plain_rows and x.numel() <= plain_rows * x.shape[-1])  # first: AR's one-row calls, where it applies
             or packed is None or torch.compiler.is_compiling() or torch.is_grad_enabled()
             or torch.is_autocast_enabled(x.device.type) or x.dtype != packed.dtype):
@@ -46,8 +57,33 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _eager_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias, getattr(self, _ATTR), getattr(self, _PLAIN_ROWS, 0))
+
+
+def _module(number: int) -> torch.nn.Linear:
+    module = _MODULES[number]()
+    if module is None:
+        raise RuntimeError(f"packed layer {number} no longer exists: its graph outlived its model")
+    return module
+
+
+@torch.library.custom_op("specviz::packed_linear", mutates_args=(), schema="(Tensor x, int layer) -> Tensor")
+def _packed_linear_op(x: torch.Tensor, layer: int) -> torch.Tensor:
+    """Packed layer ``layer``'s product, eager: what a compiled graph calls (the module docstring)."""
+    return _eager_forward(_module(layer), x)
+
+
+@_packed_linear_op.register_fake
+def _(x: torch.Tensor, layer: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _module(layer).out_features)
+
+
+def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if (torch.compiler.is_compiling() and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled(x.device.type)):
+        return torch.ops.specviz.packed_linear(x, getattr(self, _HANDLE))
+    return _eager_forward(self, x)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -76,6 +112,9 @@ def install(module: torch.nn.Module, packed: torch.Tensor, forward) -> None:
     """Run ``module`` as ``forward(module, x)`` on its ``packed`` weight (``unpacked`` and ``plain_copy`` lift it)."""
     setattr(module, _ATTR, packed)
     setattr(module, _FORWARD, forward)
+    number = next(_NUMBERS)
+    _MODULES[number] = weakref.ref(module, lambda _ref, n=number: _MODULES.pop(n, None))
+    setattr(module, _HANDLE, number)
     module.forward = types.MethodType(forward, module)
 
 
