@@ -45,20 +45,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, on ``packed`` (``pack(weight)``) where given, autograd and autocast are off, dtypes agree and
     ``x`` has more than ``plain_rows`` rows (all its dimensions but the last). Under ``torch.compile`` the plain
     op (a packed module runs ``specviz::packed_linear`` there instead, the module docstring)."""
-    if ((plain_rows and x.numel() <= plain_rows * x.shape[-1])  # first: AR's one-row calls, where it applies
-            or packed is None or torch.compiler.is_compiling() or torch.is_grad_enabled()
-            or torch.is_autocast_enabled(x.device.type) or x.dtype != packed.dtype):
+    if (packed is None or not _packs(x, packed, plain_rows) or torch.compiler.is_compiling()
+            or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)):
         return F.linear(x, weight, bias)
     return packed_linear(x, packed, bias)
+
+
+def _packs(x: torch.Tensor, packed: torch.Tensor, plain_rows: int) -> bool:
+    """The kernel rule for ``x``: the packed weight, unless ``x`` has at most ``plain_rows`` rows or another dtype."""
+    return not (plain_rows and x.numel() <= plain_rows * x.shape[-1]) and x.dtype == packed.dtype
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """oneDNN's product of ``x`` with a ``pack``ed weight, with no check (``linear`` checks)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def _eager_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, self.weight, self.bias, getattr(self, _ATTR), getattr(self, _PLAIN_ROWS, 0))
 
 
 def _module(number: int) -> torch.nn.Linear:
@@ -68,22 +68,34 @@ def _module(number: int) -> torch.nn.Linear:
     return module
 
 
-@torch.library.custom_op("specviz::packed_linear", mutates_args=(), schema="(Tensor x, int layer) -> Tensor")
 def _packed_linear_op(x: torch.Tensor, layer: int) -> torch.Tensor:
-    """Packed layer ``layer``'s product, eager: what a compiled graph calls (the module docstring)."""
-    return _eager_forward(_module(layer), x)
+    """Packed layer ``layer``'s product, as its eager forward computes it (``linear``, whose autograd, autocast and
+    compile checks do not apply here); what a compiled graph calls (the module docstring)."""
+    module = _module(layer)
+    own = module.__dict__  # read directly: nn.Module's attribute lookup costs microseconds, 200 calls a forward
+    packed = own[_ATTR]
+    if _packs(x, packed, own.get(_PLAIN_ROWS, 0)):
+        return packed_linear(x, packed, module.bias)
+    return F.linear(x, module.weight, module.bias)
 
 
-@_packed_linear_op.register_fake
-def _(x: torch.Tensor, layer: int) -> torch.Tensor:
+def _packed_linear_fake(x: torch.Tensor, layer: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], _module(layer).out_features)
+
+
+# a plain operator library: ``torch.library.custom_op``'s wrapper adds a few microseconds to each of a forward's
+# two hundred calls
+_LIBRARY = torch.library.Library("specviz", "DEF")
+_LIBRARY.define("packed_linear(Tensor x, int layer) -> Tensor")
+_LIBRARY.impl("packed_linear", _packed_linear_op, "CPU")
+torch.library.register_fake("specviz::packed_linear", _packed_linear_fake, lib=_LIBRARY)
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if (torch.compiler.is_compiling() and not torch.is_grad_enabled()
             and not torch.is_autocast_enabled(x.device.type)):
         return torch.ops.specviz.packed_linear(x, getattr(self, _HANDLE))
-    return _eager_forward(self, x)
+    return linear(x, self.weight, self.bias, getattr(self, _ATTR), getattr(self, _PLAIN_ROWS, 0))
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
