@@ -45,8 +45,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, on ``packed`` (``pack(weight)``) where given, autograd and autocast are off, dtypes agree and
     ``x`` has more than ``plain_rows`` rows (all its dimensions but the last). Under ``torch.compile`` the plain
     op (a packed module runs ``specviz::packed_linear`` there instead, the module docstring)."""
-    if (packed is None or not _packs(x, packed, plain_rows) or torch.compiler.is_compiling()
-            or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)):
+    if (packed is None or torch.compiler.is_compiling() or torch.is_grad_enabled()
+            or torch.is_autocast_enabled(x.device.type) or not _packs(x, packed, plain_rows)):
         return F.linear(x, weight, bias)
     return packed_linear(x, packed, bias)
 
