@@ -28,6 +28,7 @@ from specviz.core.attention import NAME
 from specviz.core.capture import CapturedForward, EngineStatus, plain_causal_lm
 from specviz.core.engine import generate, output_ids, run
 from specviz.core.errors import SettingsError
+from specviz.core.files import cache_dir
 from specviz.core.load import prepare
 from specviz.core.packing import pack, packed_count
 from specviz.core.target import TargetModel
@@ -137,8 +138,8 @@ def test_a_compiled_forward_that_breaks_mid_decode_hands_over_to_the_eager_path(
 
 
 def test_the_cpu_graph_runs_on_packed_weights(pair, monkeypatch):
-    """Every linear layer of a compiled forward is the eager path's packed product (``specviz::packed_linear``,
-    called from the graph), not ``aten::mm`` on unpacked weights."""
+    """Every linear layer of a compiled forward is a packed product (``specviz::packed_linear``, or with the layers
+    reading its input ``specviz::packed_group``, called from the graph), not ``aten::mm`` on unpacked weights."""
     compiled, _ = pair
     layers = packed_count(compiled.model)
     assert layers == 2 * 7 + 1 or pack(torch.ones(2, 2)) is None  # two layers of seven, and the head
@@ -150,7 +151,8 @@ def test_the_cpu_graph_runs_on_packed_weights(pair, monkeypatch):
     compiled.prefill(PROMPTS[1], cache)
     calls.clear()
     compiled.forward_rows(torch.tensor([[5, 6]]), torch.tensor([[11, 12]]), None, cache)
-    assert calls == ["graph"] + ["layer"] * layers
+    # q, k and v as one product, gate and up as one (``core.grouping``): four a decoder layer, and the head
+    assert calls == ["graph"] + ["layer"] * (layers - 2 * 3)
 
 
 def test_a_second_compilation_comes_from_inductors_cache(pair):
@@ -164,6 +166,16 @@ def test_a_second_compilation_comes_from_inductors_cache(pair):
     assert again.warm(compiled), again.error
     assert counters["inductor"]["fxgraph_cache_hit"] > hits
     assert counters["inductor"]["fxgraph_cache_bypass"] == bypasses
+
+
+def test_compiled_graphs_are_kept_in_specviz_cache(pair):
+    """Inductor's cache is ``<specviz cache>/inductor``, not the temporary folder ``import torch._dynamo`` names by
+    default (where a new session may find nothing): the compiled graphs' code is written there."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_folder
+
+    folder = cache_dir() / "inductor"
+    assert inductor_folder() == str(folder)
+    assert any(folder.rglob("*.py"))
 
 
 def test_two_compiled_targets_keep_their_own_weights(tiny_llama, ref_greedy):

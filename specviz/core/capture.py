@@ -57,11 +57,12 @@ import torch._dynamo
 from torch.utils._pytree import tree_map_only
 
 from .files import cache_dir
+from .grouping import GroupPass
 from .head import refined
 
 ENGINES = ("eager", "compiled", "auto")  # auto: compiled where torch.compile works here, else eager
 LAYOUTS = ("live", "buffer")  # what attention reads in a compiled forward: the live rows, or the whole buffer
-REVISION = 4  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
+REVISION = 5  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
 
 
 def capture_unsupported(device: torch.device) -> str:
@@ -98,8 +99,17 @@ def failure_text(error: Exception) -> str:
 
 
 def use_cache_folder() -> None:
-    """Inductor's cache under ``~/.cache/specviz/inductor``: compiled graphs survive between processes there."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    """Inductor's cache under ``~/.cache/specviz/inductor``: compiled graphs survive between processes there,
+    and sessions, where the system's temporary folder (inductor's default) may not.
+
+    Importing ``torch._dynamo`` already writes inductor's default folder into ``TORCHINDUCTOR_CACHE_DIR`` (it
+    reads the variable again at every use), so a value equal to that default is replaced; one the user set to
+    anything else is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
 def plain_causal_lm(model: torch.nn.Module) -> bool:
@@ -173,8 +183,9 @@ def compile_forward(fn, device: torch.device, graphs: bool = False):
     if device.type == "cuda":  # "triton.cudagraphs" is what mode="reduce-overhead" sets, which excludes options
         return torch.compile(fn, dynamic=True, options={**options, "triton.cudagraphs": graphs})
     # no freezing: the linear layers reach their packed kernels through ``specviz::packed_linear`` (``core.packing``),
-    # and a frozen graph (its weights inlined as constants) is one inductor's cache never keeps
-    return torch.compile(fn, dynamic=True, options=options)
+    # and a frozen graph (its weights inlined as constants) is one inductor's cache never keeps; layers reading one
+    # input run as one product (``core.grouping``)
+    return torch.compile(fn, dynamic=True, options={**options, "post_grad_custom_post_pass": GroupPass()})
 
 
 class CapturedForward:

@@ -61,17 +61,18 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _module(number: int) -> torch.nn.Linear:
+def layer(number: int) -> torch.nn.Linear:
+    """Packed layer ``number`` (``install``; what a graph names a layer by)."""
     module = _MODULES[number]()
     if module is None:
         raise RuntimeError(f"packed layer {number} no longer exists: its graph outlived its model")
     return module
 
 
-def _packed_linear_op(x: torch.Tensor, layer: int) -> torch.Tensor:
-    """Packed layer ``layer``'s product, as its eager forward computes it (``linear``, whose autograd, autocast and
+def _packed_linear_op(x: torch.Tensor, number: int) -> torch.Tensor:
+    """Packed layer ``number``'s product, as its eager forward computes it (``linear``, whose autograd, autocast and
     compile checks do not apply here); what a compiled graph calls (the module docstring)."""
-    module = _module(layer)
+    module = layer(number)
     own = module.__dict__  # read directly: nn.Module's attribute lookup costs microseconds, 200 calls a forward
     packed = own[_ATTR]
     if _packs(x, packed, own.get(_PLAIN_ROWS, 0)):
@@ -79,16 +80,27 @@ def _packed_linear_op(x: torch.Tensor, layer: int) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
-def _packed_linear_fake(x: torch.Tensor, layer: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _module(layer).out_features)
+def _packed_linear_fake(x: torch.Tensor, number: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], layer(number).out_features)
 
 
 # a plain operator library: ``torch.library.custom_op``'s wrapper adds a few microseconds to each of a forward's
 # two hundred calls
 _LIBRARY = torch.library.Library("specviz", "DEF")
-_LIBRARY.define("packed_linear(Tensor x, int layer) -> Tensor")
+_LIBRARY.define("packed_linear(Tensor x, int number) -> Tensor")
 _LIBRARY.impl("packed_linear", _packed_linear_op, "CPU")
 torch.library.register_fake("specviz::packed_linear", _packed_linear_fake, lib=_LIBRARY)
+
+
+def packs(module: torch.nn.Linear, x: torch.Tensor) -> bool:
+    """Whether packed layer ``module`` runs ``x`` on its packed weight (its kernel rule, ``_packs``)."""
+    own = module.__dict__
+    return _packs(x, own[_ATTR], own.get(_PLAIN_ROWS, 0))
+
+
+def number(module: torch.nn.Linear) -> int:
+    """A packed layer's number (``install``)."""
+    return getattr(module, _HANDLE)
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,116 @@
+"""Packed linear layers that read one input, run as one product in a compiled graph: a decoder layer's q, k and v
+projections, its MLP's gate and up projections.
+
+A decode forward is a few rows against each weight, so each product is bound by reading the weight and by the
+kernel's fixed cost per call; one product over the stacked weights pays that fixed cost (oneDNN's per-call
+setup, the operator's dispatch) once instead of three or two times, for the same bytes read. The eager path keeps
+transformers' separate calls: grouping is a rewrite of inductor's graph (``GroupPass``, a post-grad pass), not
+of the modeling code.
+
+- ``specviz::packed_group(x, layers)`` is the product of ``x`` with the packed layers ``layers``
+  (``core.packing``'s numbers) stacked along their outputs; the graph takes each layer's columns back as a slice.
+- The stacked weight is packed the first time a group runs and lives as long as the group's first layer. It is
+  one more copy of those layers' weights (the separate packed ones serve the eager path).
+- Rule: a group's call follows its layers' kernel rule (``packing.packs``, with the plain_rows every layer
+  of a group shares): at most ``plain_rows`` rows, each layer's plain product, concatenated.
+
+Exactness: each output column is the same dot product over the same input as in its own layer's call, so the
+stacked product's columns equal the separate ones wherever the kernel reduces each column alike; the tests check
+compiled greedy output against the eager path's and AR's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from . import packing
+
+_GROUPS: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}  # layers -> stacked weight, bias
+
+
+def _layers(layers: list[int]) -> list[torch.nn.Linear]:
+    return [packing.layer(number) for number in layers]
+
+
+def _stacked(key: tuple[int, ...], modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The group's packed weight and stacked bias, made on its first call and dropped with its first layer."""
+    stacked = _GROUPS.get(key)
+    if stacked is None:
+        bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+        stacked = _GROUPS[key] = packing.pack(torch.cat([m.weight for m in modules])), bias
+        weakref.finalize(modules[0], _GROUPS.pop, key, None)
+    return stacked
+
+
+def _packed_group_op(x: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    modules = _layers(layers)
+    if not packing.packs(modules[0], x):
+        return torch.cat([F.linear(x, m.weight, m.bias) for m in modules], -1)
+    return packing.packed_linear(x, *_stacked(tuple(layers), modules))
+
+
+def _packed_group_fake(x: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], sum(m.out_features for m in _layers(layers)))
+
+
+_LIBRARY = torch.library.Library("specviz", "FRAGMENT")
+_LIBRARY.define("packed_group(Tensor x, int[] layers) -> Tensor")
+_LIBRARY.impl("packed_group", _packed_group_op, "CPU")
+torch.library.register_fake("specviz::packed_group", _packed_group_fake, lib=_LIBRARY)
+
+
+def groupable(modules: list[torch.nn.Linear]) -> bool:
+    """Whether these packed layers can run as one product: one dtype, input width and ``plain_rows``, and all or
+    none with a bias."""
+    first = modules[0]
+    return all(m.weight.dtype == first.weight.dtype and m.in_features == first.in_features
+               and (m.bias is None) == (first.bias is None)
+               and packing.plain_rows_of(m) == packing.plain_rows_of(first)
+               for m in modules)
+
+
+def group_packed_linears(graph: torch.fx.Graph) -> int:
+    """Replace the ``specviz::packed_linear`` calls of ``graph`` that share their input by one
+    ``specviz::packed_group`` call and a slice per layer. Returns how many groups it made."""
+    single = torch.ops.specviz.packed_linear.default
+    by_input: dict[torch.fx.Node, list[torch.fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is single:
+            by_input[node.args[0]].append(node)
+    made = 0
+    for x, nodes in by_input.items():
+        layers = [node.args[1] for node in nodes]
+        if len(nodes) < 2 or not groupable(_layers(layers)):
+            continue
+        fake = x.meta["val"]
+        with graph.inserting_before(nodes[0]):  # x is defined before its first reader
+            group = graph.call_function(torch.ops.specviz.packed_group.default, (x, layers))
+            with fake.fake_mode:
+                group.meta["val"] = _packed_group_fake(fake, layers)
+            start, pieces = 0, []
+            for node in nodes:
+                width = node.meta["val"].shape[-1]
+                pieces.append(graph.call_function(torch.ops.aten.slice.Tensor, (group, -1, start, start + width)))
+                with fake.fake_mode:
+                    pieces[-1].meta["val"] = group.meta["val"][..., start:start + width]
+                start += width
+        for node, piece in zip(nodes, pieces):  # after inserting: an erased node is no place to insert before
+            node.replace_all_uses_with(piece)
+            graph.erase_node(node)
+        made += 1
+    return made
+
+
+class GroupPass(CustomGraphPass):
+    """``group_packed_linears`` as inductor's post-grad pass; its uuid (this file's hash) keys inductor's cache."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        group_packed_linears(graph)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
