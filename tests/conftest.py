@@ -19,6 +19,7 @@ import transformers  # noqa: E402
 from filelock import FileLock  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from specviz.core.capture import use_cache_folder  # noqa: E402
 from specviz.core.load import cache_dir  # noqa: E402
 from specviz.core.target import TargetModel  # noqa: E402
 
@@ -56,13 +57,15 @@ def run_lock(folder: Path) -> FileLock:
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory):
     """The tests' budgets, features and runs go to a cache of their own, not the user's; only the embedded
-    model's one-time conversion is shared (linked when the user's cache has it). The session's tiny
-    checkpoints are trained into it too (``session_checkpoint``). One per test run, shared by its workers."""
+    model's one-time conversion (linked when the user's cache has it) and inductor's compiled graphs are
+    shared. The session's tiny checkpoints are trained into it too (``session_checkpoint``). One per test run,
+    shared by its workers."""
     user, root = cache_dir(), run_folder(tmp_path_factory, "specviz-cache")
     with run_lock(root):
         if (user / "smollm2-135m-instruct" / "config.json").exists() and not (root / "smollm2-135m-instruct").exists():
             (root / "smollm2-135m-instruct").symlink_to(user / "smollm2-135m-instruct")
     _TRAINED["root"] = root / "tiny-checkpoints"
+    use_cache_folder()  # inductor's compiled graphs, keyed by their content: the user's, so a rerun compiles nothing
     patch = pytest.MonkeyPatch()
     patch.setenv("SPECVIZ_CACHE", str(root))
     yield root

@@ -25,10 +25,9 @@ from specviz.apps.methods import split_engine
 from specviz.apps.results import BenchResult
 from specviz.core import packing
 from specviz.core.attention import NAME
-from specviz.core.capture import CapturedForward, EngineStatus, plain_causal_lm
+from specviz.core.capture import CapturedForward, EngineStatus, plain_causal_lm, use_cache_folder
 from specviz.core.engine import generate, output_ids, run
 from specviz.core.errors import SettingsError
-from specviz.core.files import cache_dir
 from specviz.core.load import prepare
 from specviz.core.packing import pack, packed_count
 from specviz.core.target import TargetModel
@@ -168,14 +167,19 @@ def test_a_second_compilation_comes_from_inductors_cache(pair):
     assert counters["inductor"]["fxgraph_cache_bypass"] == bypasses
 
 
-def test_compiled_graphs_are_kept_in_specviz_cache(pair):
-    """Inductor's cache is ``<specviz cache>/inductor``, not the temporary folder ``import torch._dynamo`` names by
-    default (where a new session may find nothing): the compiled graphs' code is written there."""
+def test_inductors_cache_goes_under_specviz_cache(monkeypatch, tmp_path):
+    """Compiled graphs go to ``<specviz cache>/inductor``, not the temporary folder that ``import torch._dynamo``
+    writes into ``TORCHINDUCTOR_CACHE_DIR`` (where a new session may find nothing); a folder the user chose stays."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_folder
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    folder = cache_dir() / "inductor"
-    assert inductor_folder() == str(folder)
-    assert any(folder.rglob("*.py"))
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # as importing torch._dynamo leaves it
+    use_cache_folder()
+    assert inductor_folder() == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
+    use_cache_folder()
+    assert inductor_folder() == str(tmp_path / "chosen")
 
 
 def test_two_compiled_targets_keep_their_own_weights(tiny_llama, ref_greedy):
