@@ -39,19 +39,18 @@ def _layers(layers: list[int]) -> list[torch.nn.Linear]:
 
 def _stacked(key: tuple[int, ...], modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The group's packed weight and stacked bias, made on its first call and dropped with its first layer."""
-    stacked = _GROUPS.get(key)
-    if stacked is None:
-        bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
-        stacked = _GROUPS[key] = packing.pack(torch.cat([m.weight for m in modules])), bias
-        weakref.finalize(modules[0], _GROUPS.pop, key, None)
+    bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+    stacked = _GROUPS[key] = packing.pack(torch.cat([m.weight for m in modules])), bias
+    weakref.finalize(modules[0], _GROUPS.pop, key, None)
     return stacked
 
 
 def _packed_group_op(x: torch.Tensor, layers: list[int]) -> torch.Tensor:
-    modules = _layers(layers)
-    if not packing.packs(modules[0], x):
-        return torch.cat([F.linear(x, m.weight, m.bias) for m in modules], -1)
-    return packing.packed_linear(x, *_stacked(tuple(layers), modules))
+    # sixty calls a forward: the other layers are looked up only to stack them once, or for plain products
+    if not packing.packs(packing.layer(layers[0]), x):
+        return torch.cat([F.linear(x, m.weight, m.bias) for m in _layers(layers)], -1)
+    key = tuple(layers)
+    return packing.packed_linear(x, *(_GROUPS.get(key) or _stacked(key, _layers(layers))))
 
 
 def _packed_group_fake(x: torch.Tensor, layers: list[int]) -> torch.Tensor:
