@@ -1,5 +1,6 @@
 """core.grouping: packed layers that read one input become one stacked product in a graph, with the same output
-columns as their separate products, packed or (at most ``plain_rows`` rows) plain; layers that cannot stack
+columns as their separate products, packed or (at most ``plain_rows`` rows) plain, each layer's dense weight then
+held once, in the stack; layers that cannot stack
 (another input width, a bias on some only) stay apart."""
 
 from __future__ import annotations
@@ -57,14 +58,25 @@ def test_a_group_gives_each_layers_own_columns(dtype, rows):
         assert torch.equal(got, want)  # bit for bit: the same dot products
 
 
-def test_at_plain_rows_a_group_runs_each_plain_product():
+@pytest.mark.parametrize("rows", [1, 2])
+def test_at_plain_rows_a_group_runs_one_plain_product_on_weights_held_once(rows):
     model = layers([(16, 12), (16, 20)], torch.float32, bias=True, seed=1)
     set_plain_rows(model, 2)
-    x = torch.randn(1, 2, 16)
+    x, key = torch.randn(1, rows, 16), tuple(number(m) for m in model)
+    before = [m.weight.detach().clone() for m in model]
     with torch.inference_mode():
-        got = torch.ops.specviz.packed_group(x, [number(m) for m in model])
         want = torch.cat([torch.nn.functional.linear(x, m.weight, m.bias) for m in model], -1)
-    assert torch.equal(got, want)
+        got = torch.ops.specviz.packed_group(x, list(key))
+        again = torch.cat([m(x) for m in model], -1)  # each layer's own forward, on its rows of the stack
+    assert torch.equal(got, want)  # bit for bit: the same dot products, in one call
+    assert torch.equal(again, want)
+    dense = grouping._GROUPS[key][0]
+    for m, weight in zip(model, before):
+        assert torch.equal(m.weight, weight)  # the same values, now held once: in the group's dense stack
+        assert m.weight.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr()
+    x.requires_grad_(True)  # stacked during inference, the weights still serve autograd (training a copy, say)
+    model[0](x).sum().backward()
+    torch.testing.assert_close(x.grad, model[0].weight.sum(0).expand_as(x))
 
 
 def test_layers_that_cannot_stack_stay_apart():

@@ -62,7 +62,7 @@ from .head import refined
 
 ENGINES = ("eager", "compiled", "auto")  # auto: compiled where torch.compile works here, else eager
 LAYOUTS = ("live", "buffer")  # what attention reads in a compiled forward: the live rows, or the whole buffer
-REVISION = 5  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
+REVISION = 6  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
 
 
 def capture_unsupported(device: torch.device) -> str:

@@ -9,10 +9,11 @@ of the modeling code.
 
 - ``specviz::packed_group(x, layers)`` is the product of ``x`` with the packed layers ``layers``
   (``core.packing``'s numbers) stacked along their outputs; the graph takes each layer's columns back as a slice.
-- The stacked weight is packed the first time a group runs and lives as long as the group's first layer. It is
-  one more copy of those layers' weights (the separate packed ones serve the eager path).
+- The stacked weights are made the first time a group runs and live as long as the group's first layer: the dense
+  stack, of which each layer's own weight becomes a view (its rows, the same values: no second dense copy), and
+  the stack packed, one more copy of those layers' weights (the separate packed ones serve the eager path).
 - Rule: a group's call follows its layers' kernel rule (``packing.packs``, with the plain_rows every layer
-  of a group shares): at most ``plain_rows`` rows, each layer's plain product, concatenated.
+  of a group shares): at most ``plain_rows`` rows, the plain product over the dense stack, also one call.
 
 Exactness: each output column is the same dot product over the same input as in its own layer's call, so the
 stacked product's columns equal the separate ones wherever the kernel reduces each column alike; the tests check
@@ -30,27 +31,36 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from . import packing
 
-_GROUPS: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}  # layers -> stacked weight, bias
+_GROUPS: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+# layers -> (their weights stacked dense, that stack packed, their biases stacked)
 
 
 def _layers(layers: list[int]) -> list[torch.nn.Linear]:
     return [packing.layer(number) for number in layers]
 
 
-def _stacked(key: tuple[int, ...], modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The group's packed weight and stacked bias, made on its first call and dropped with its first layer."""
-    bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
-    stacked = _GROUPS[key] = packing.pack(torch.cat([m.weight for m in modules])), bias
+def _stacked(key: tuple[int, ...], modules: list[torch.nn.Linear]):
+    """The group's dense and packed weights and stacked bias, made on its first call and dropped with its first
+    layer. Each layer's weight becomes a view of its rows of the dense stack, so the dense weights are held once."""
+    with torch.inference_mode(False):  # a decode's first call: the layers' weights must stay usable with autograd
+        dense = torch.cat([m.weight.detach() for m in modules])
+        bias = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
+    start = 0
+    for m in modules:
+        m.weight.data = dense[start:start + m.out_features]  # contiguous rows: every product on it is unchanged
+        start += m.out_features
+    stacked = _GROUPS[key] = dense, packing.pack(dense), bias
     weakref.finalize(modules[0], _GROUPS.pop, key, None)
     return stacked
 
 
 def _packed_group_op(x: torch.Tensor, layers: list[int]) -> torch.Tensor:
-    # sixty calls a forward: the other layers are looked up only to stack them once, or for plain products
-    if not packing.packs(packing.layer(layers[0]), x):
-        return torch.cat([F.linear(x, m.weight, m.bias) for m in _layers(layers)], -1)
+    # sixty calls a forward: the other layers are looked up only to stack them, once
     key = tuple(layers)
-    return packing.packed_linear(x, *(_GROUPS.get(key) or _stacked(key, _layers(layers))))
+    dense, packed, bias = _GROUPS.get(key) or _stacked(key, _layers(layers))
+    if packing.packs(packing.layer(layers[0]), x):
+        return packing.packed_linear(x, packed, bias)
+    return F.linear(x, dense, bias)
 
 
 def _packed_group_fake(x: torch.Tensor, layers: list[int]) -> torch.Tensor:
