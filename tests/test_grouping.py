@@ -1,7 +1,6 @@
 """core.grouping: packed layers that read one input become one stacked product in a graph, with the same output
 columns as their separate products, packed or (at most ``plain_rows`` rows) plain, each layer's dense weight then
-held once, in the stack; layers that cannot stack
-(another input width, a bias on some only) stay apart."""
+held once, in the stack; layers that cannot stack (another input width, a bias on some only) stay apart."""
 
 from __future__ import annotations
 
