@@ -13,7 +13,9 @@
 #                   order), for when it must travel in pieces; or SPECVIZ_GGUF=FILE, the GGUF whole
 #   STEPS           which steps, in order (default: "install tests profile bench"; "engine" compares the
 #                   compiled target forward with the eager one: profile and a short bench, ENGINE_METHODS;
-#                   "batch" sweeps batch sizes, BATCH_SIZES and BATCH_METHODS, stopped after BATCH_S seconds)
+#                   "batch" sweeps batch sizes, BATCH_SIZES and BATCH_METHODS, stopped after BATCH_S seconds;
+#                   "train" trains the experiments' arms at the shared budget, EXPERIMENTS, TRAIN_JOBS at once,
+#                   stopped after TRAIN_S seconds; "export" writes their finished runs as tar parts, EXPORT)
 #   TESTS           pytest arguments for the CUDA tests (default: tests/test_device.py, whose real-GPU
 #                   tests run only where CUDA is present)
 #   BENCH_S         seconds the bench may run before it is stopped, keeping the prompts it finished (240)
@@ -138,6 +140,20 @@ batch() {  # issue 51's sweep: throughput against batch size beside AR, ReDrafte
   return $rc
 }
 
+train() {  # issue 52: the experiments' trained arms at the shared budget, TRAIN_JOBS at once, stopped after TRAIN_S
+  # seconds (each run resumes on this machine from its last saved state: run the step again to go on)
+  timeout -s INT -k 60 "${TRAIN_S:-480}" python3 -m specviz experiment "${EXPERIMENTS:-hass-beta,hass-passes}" \
+    --budget shared --device cuda --train-only --jobs "${TRAIN_JOBS:-12}" 2>&1 | tee -a "$OUT_DIR/train.log" | tail -30
+  local rc=${PIPESTATUS[0]}
+  [ $rc = 124 ] && { say "training stopped after ${TRAIN_S:-480} s; run the step again to go on"; return 0; }
+  return $rc
+}
+
+export_runs() {  # the finished runs of EXPORT (default: EXPERIMENTS) as tar parts of 15 MiB for the CPU to import
+  python3 -m specviz experiment "${EXPORT:-${EXPERIMENTS:-hass-beta,hass-passes}}" --budget shared --device cuda \
+    --export "$OUT_DIR" --part-mb 15
+}
+
 join_gguf
 for step in ${STEPS:-install tests profile bench}; do
   say "$step"
@@ -149,6 +165,8 @@ for step in ${STEPS:-install tests profile bench}; do
     bench) bench ;;
     engine) engine ;;
     batch) batch ;;
+    train) train ;;
+    export) export_runs ;;
     *) echo "unknown step: $step" >&2; false ;;
   esac
   rc=$?

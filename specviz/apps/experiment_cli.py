@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from specviz.core.errors import SettingsError
 from specviz.core.load import cache_dir
 
 from .experiment_results import SHIPPED
-from .experiments import BUDGETS, EXPERIMENTS, budget, experiment
+from .experiments import BUDGETS, EXPERIMENTS, Experiment, budget, experiment
 
 
 def add_parser(sub) -> None:
@@ -27,7 +28,27 @@ def add_parser(sub) -> None:
     e.add_argument("--ship", action="store_true", help="write the results into assets/experiments instead")
     e.add_argument("--train-only", action="store_true",
                    help="train (or resume) the arms and stop: bench them later, on a quiet machine, with the same "
-                        "command without this flag")
+                        "command without this flag (NAME may list several experiments, comma-separated)")
+    e.add_argument("--jobs", type=int, default=1,
+                   help="train up to this many arms at once, each in its own process (on a GPU: one GPU, many runs)")
+    e.add_argument("--export", metavar="DIR", default=None,
+                   help="write the finished runs of the arms (NAME may list several) into tar parts in DIR, to carry "
+                        "them to another machine, and stop")
+    e.add_argument("--part-mb", type=int, default=15, help="--export: the largest part, in MiB")
+    e.add_argument("--import", dest="import_paths", nargs="+", metavar="PART", default=None,
+                   help="first put the runs in these parts (from --export) into the cache")
+    e.add_argument("--trained-on", default=None, metavar="DEVICE",
+                   help="bench runs trained on this device (cuda: carried from a GPU with --export/--import); a "
+                        "missing one is an error, not trained here")
+
+
+def union(names: list[str]) -> Experiment:
+    """Several experiments' trained arms as one, to train or export together (each arm once)."""
+    exps = [experiment(n) for n in names]
+    if len({e.domain for e in exps}) > 1:
+        raise SettingsError(f"{', '.join(names)}: train experiments on different data one at a time")
+    arms = tuple(dict.fromkeys(a for e in exps for a in e.arms if a.train))
+    return Experiment(",".join(names), "several", "", "", arms, domain=exps[0].domain)
 
 
 def cmd_experiment(args: argparse.Namespace) -> None:
@@ -41,21 +62,41 @@ def cmd_experiment(args: argparse.Namespace) -> None:
     import torch
 
     from .domain_eval import domain_questions
-    from .experiment_run import run_experiment, train_arms
+    from .experiment_run import run_experiment
+    from .experiment_train import train_arms
     from .questions import load_questions
 
-    exp, chosen = experiment(args.name), budget(args.budget)
+    chosen = budget(args.budget)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.train_only:
+    if args.jobs < 1 or args.part_mb < 1:
+        raise SettingsError("--jobs and --part-mb must be at least 1")
+    if args.import_paths:
+        from .runs_archive import import_runs
+
+        for folder in import_runs([Path(p) for p in args.import_paths]):
+            print(f"imported {folder}")
+    several = "," in args.name
+    exp = union(args.name.split(",")) if several else experiment(args.name)
+    if args.train_only or args.export:
         if not exp.trains and not exp.joint:  # its arms are shipped drafters: nothing to load or train
             print(f"{exp.name} trains no arms: bench it without --train-only")
             return
         from specviz.core.load import load_target
 
-        folders = train_arms(exp, chosen, load_target(args.target, "float32", device), device)
+        target = load_target(args.target, "float32", device)
+        if args.export:
+            from .experiment_train import exported_runs
+            from .runs_archive import export_runs
+
+            parts = export_runs(exported_runs(exp, chosen, target, device), Path(args.export), args.part_mb << 20)
+            print(f"wrote {len(parts)} part{'s' * (len(parts) != 1)}: {', '.join(str(p) for p in parts)}")
+            return
+        folders = train_arms(exp, chosen, target, device, args.trained_on, jobs=args.jobs, target_spec=args.target)
         for (name, lam), folder in folders.items():
             print(f"{name}{'' if lam is None else f' jointly (lambda {lam:g})'}: {folder}")
         return
+    if several:
+        raise SettingsError("bench one experiment at a time (several names are for --train-only and --export)")
     name = f"{exp.name}-{chosen.name}" if exp.trains else exp.name
     out = Path(args.out) if args.out else (SHIPPED if args.ship else cache_dir() / "experiments") / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +108,7 @@ def cmd_experiment(args: argparse.Namespace) -> None:
         questions = load_questions(args.questions, args.limit, args.per_category)
         chosen_set = f"{args.questions} ({args.per_category} per category)" if args.per_category else args.questions
     result = run_experiment(exp, chosen, questions, chosen_set, args.max_new_tokens, out, args.target, device,
-                            references=references)
+                            references=references, trained_on=args.trained_on, jobs=args.jobs)
     table = out.with_suffix(".md")
     table.write_text(result.markdown() + "\n")
     print(f"wrote {out} and {table}\n\n{result.markdown()}")

@@ -1,8 +1,8 @@
 """``python -m specviz experiment NAME``: train the arms an experiment needs at its budget, bench them, write its
 results file, table and figure.
 
-Resumable where it costs: each trained arm is a training run of its own in the cache (``train_drafters`` with
-``resume``: a finished run is reused, a killed one goes on from its last saved state). The arms that share a
+Resumable where it costs: each trained arm is a training run of its own in the cache (``experiment_train``: a
+finished run is reused, a killed one goes on from its last saved state). The arms that share a
 target are benched in one process, each beside that target's AR on the same prompts, once per temperature; an
 arm trained jointly (a LoRA on the target) is benched on its adapted target, beside that target's own AR. The
 results file is rewritten after each bench.
@@ -21,32 +21,10 @@ from specviz.core.verify import Sampling
 from .bench import PromptRun, bench
 from .domain_eval import rouge_l
 from .experiment_results import ArmResult, ExperimentResult, Training
+from .experiment_train import train_arms
 from .experiments import Arm, Budget, Experiment
 from .machine import machine_description
 from .questions import Question
-from .training import data_recipe
-
-
-def train_arms(exp: Experiment, budget: Budget, target, device: str) -> dict[tuple[str, float | None], Path]:
-    """Each trained arm's checkpoint at ``budget`` by (method or variant, joint lambda), trained now or found in
-    the cache (``specviz train`` with the same settings finds the same runs)."""
-    from drafters.training.config import TrainConfig
-    from drafters.training.joint import JointOptions
-
-    from .training import train_drafters
-
-    recipe = data_recipe(budget.samples, not exp.domain, budget.max_prompt_tokens, budget.answer_tokens, 32,
-                         budget.prompts, budget.dtype, budget.dtype, device, exp.domain)
-    precision = "bf16" if budget.dtype == "bfloat16" else "no"
-    cfg = TrainConfig(epochs=budget.epochs, device=device, precision=precision, save_every=50)
-    folders = {}
-    if exp.trains:
-        found = train_drafters(exp.trains, target, recipe, cfg, None, resume=True, ship=False)
-        folders.update({(name, None): folder for name, folder in found.items()})
-    for lam, names in exp.joint.items():
-        found = train_drafters(names, target, recipe, cfg, None, resume=True, ship=False, joint=JointOptions(lam))
-        folders.update({(name, lam): folder for name, folder in found.items()})
-    return folders
 
 
 def _arm_result(arm: Arm, spec: str, temperature: float, summary, training: Training | None,
@@ -69,9 +47,10 @@ def target_quality(target, runs: list[PromptRun], references: list[str] | None) 
 
 def run_experiment(exp: Experiment, budget: Budget, questions: list[Question], question_set: str,
                    max_new_tokens: int, out: Path, target_spec: str | None = None, device: str = "cpu",
-                   seed: int = 0, references: list[str] | None = None) -> ExperimentResult:
+                   seed: int = 0, references: list[str] | None = None, trained_on: str | None = None,
+                   jobs: int = 1) -> ExperimentResult:
     target = load_target(target_spec, "float32", device)
-    folders = train_arms(exp, budget, target, device)
+    folders = train_arms(exp, budget, target, device, trained_on, jobs=jobs, target_spec=target_spec)
     training = {key: Training.from_card(read_card(folder)) for key, folder in folders.items()}
     specs = [arm.spec + (f":checkpoint={folders[arm.train, arm.lam]}" if arm.train else "") for arm in exp.arms]
     groups: dict[Path | None, list[int]] = {}  # the adapted target's folder (None: the base) -> its arms

@@ -10,7 +10,8 @@ Budgets: ``shared`` is the shipped drafters' own (every ShareGPT first turn, 4 e
 ``small`` is what a 2-core CPU trains within a session (the 1,000 shipped prompts, 2 epochs); ``medium`` (500
 prompts, 2 epochs) and ``mini`` (200 prompts, 1 epoch, a quick end-to-end check) are for joint training on a
 CPU, whose every step runs the target backwards. An experiment's arms share one budget, and its results file
-names it: figures at ``small`` compare arms with each other, not with the papers' absolute numbers.
+names it: figures at ``small`` compare arms with each other, not with the papers' absolute numbers. Where the
+arms' checkpoints come from (shipped, cached, trained, carried from a GPU): ``experiment_train``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Budget:
     dtype: str  # the self-distillation and feature dtype (and "bf16" autocast in training where it is bfloat16)
     note: str
     answer_tokens: int = 256  # the longest self-distilled answer
+    shipped_bases: bool = False  # an arm training a shipped method benches the shipped checkpoint (its budget)
 
     def as_dict(self) -> dict:
         return {"name": self.name, "samples": self.samples, "prompts": self.prompts,
@@ -37,7 +39,8 @@ class Budget:
 
 
 BUDGETS = {b.name: b for b in (
-    Budget("shared", "all", "all", 512, 4, "bfloat16", "the shipped drafters' budget (a GPU's work)"),
+    Budget("shared", "all", "all", 512, 4, "bfloat16", "the shipped drafters' budget (a GPU's work)",
+           shipped_bases=True),
     Budget("small", "1000", "first", 256, 2, "float32", "1,000 prompts, 2 epochs: what a 2-core CPU trains"),
     Budget("medium", "500", "first", 256, 2, "float32", "500 prompts, 2 epochs: joint training within a CPU "
                                                         "session"),

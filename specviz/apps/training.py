@@ -59,6 +59,33 @@ def build_data(target_spec: str | None, device: str, recipe, ship: bool) -> None
         print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
+def training_classes(names, joint=None) -> dict:
+    """Each name's training class: a trained method's or a variant's (``drafters.variants``), wrapped for joint
+    training (``JointOptions``) where ``joint`` is given."""
+    from drafters.training.joint import joint_class
+    from drafters.variants import trained_class
+
+    classes = {name: trained_class(name) for name in names}
+    return classes if joint is None else {name: joint_class(cls, joint) for name, cls in classes.items()}
+
+
+def run_folder(name: str, cls, features_key: str, cfg) -> Path:
+    """Where a training run of ``name`` lives in the cache: named by everything that determines its weights
+    (``run_key``: data, settings, objective, network), so a later call finds the same run again."""
+    from drafters.training.config import run_key
+
+    return cache_dir() / "train" / "runs" / f"{cls.variant_name or name}-{run_key(cls, features_key, cfg)}"
+
+
+def prepare_data(classes, target, recipe, joint=None):
+    """The recipe's sequences, with the target's features where one of ``classes`` reads them stored (EAGLE-3
+    and joint training run the target's body themselves; the heads read none): (train, validation, meta)."""
+    from drafters.training.dataset import prepare
+
+    stored = joint is None and any(c.reads_features and not c.tapped_layers(target.num_layers) for c in classes)
+    return prepare(target, recipe, cache=cache_dir() / "train", features=stored)
+
+
 def train_drafters(names: list[str], target_spec, recipe, cfg, out: str | None, resume: bool,
                    ship: bool, joint=None) -> dict[str, Path]:
     """Train each of ``names`` at one equal budget (same data, config and epochs), each in a run folder named by
@@ -66,12 +93,8 @@ def train_drafters(names: list[str], target_spec, recipe, cfg, out: str | None, 
     checkpoint folder. ``target_spec``: a name or folder, or a loaded target; ``joint`` (``JointOptions``): train a
     LoRA on the target with each (``drafters.training.joint``)."""
     from drafters.checkpoint import CARD, ship_checkpoint
-    from drafters.training.config import run_key
-    from drafters.training.dataset import prepare
-    from drafters.training.joint import joint_class
     from drafters.training.loop import make_accelerator, train
     from drafters.training.state import saved_state
-    from drafters.variants import trained_class
 
     if out and len(names) > 1:
         raise SpecvizError("--out names one checkpoint folder; train several drafters without it")
@@ -85,17 +108,11 @@ def train_drafters(names: list[str], target_spec, recipe, cfg, out: str | None, 
     accelerator = make_accelerator(cfg)  # one process per device under `accelerate launch`
     target = target_spec if hasattr(target_spec, "model") else load_target(target_spec, "float32",
                                                                            str(accelerator.device))
-    classes = {name: trained_class(name) for name in names}
-    if joint is not None:
-        classes = {name: joint_class(cls, joint) for name, cls in classes.items()}
-    stored = joint is None and any(c.reads_features and not c.tapped_layers(target.num_layers)
-                                   for c in classes.values())  # else each runs the target's body itself (EAGLE-3,
-    # joint training) or reads no features
-    train_set, val_set, meta = prepare(target, recipe, cache=cache_dir() / "train", features=stored)
+    classes = training_classes(names, joint)
+    train_set, val_set, meta = prepare_data(classes.values(), target, recipe, joint)
     folders = {}
     for name in names:
-        key = run_key(classes[name], recipe.features_key(target), cfg)  # a changed objective is another run
-        work = cache_dir() / "train" / "runs" / f"{classes[name].variant_name or name}-{key}"
+        work = run_folder(name, classes[name], recipe.features_key(target), cfg)
         finished = work / "checkpoint"
         folder = Path(out) if out else finished
         if resume and (finished / CARD).exists():  # trained to the end before: reuse it

@@ -1,0 +1,200 @@
+"""Training an experiment's arms at its budget: where each arm's checkpoint comes from, several runs at once on
+one device, and finished runs carried from the machine that trained them to the one that benches them.
+
+Rules:
+- A trained arm is a training run in the cache, named by ``run_key`` (data, settings, objective, network and the
+  device it trained on), so the same command finds a finished run again and resumes a killed one.
+- The ``shared`` budget is the shipped drafters' own: an arm that trains a shipped method there benches the
+  shipped checkpoint, where its card says it was trained at that budget (data, epochs, dtypes, objective); only
+  the variants are trained. Where a card says otherwise, the arm trains, and the reason is printed.
+- ``jobs > 1`` prepares the data and features once here, then trains up to ``jobs`` arms at once, each in a
+  process of its own (``python -m specviz.apps.experiment_train SPEC``: the experiment, budget and arm as JSON)
+  running ``train_arms`` for that arm alone, so its run folder is the one a lone run would name.
+- ``trained_on``: the device the runs were trained on, when it is not the bench's (a GPU's runs benched on a
+  CPU); a run that is missing is then an error, not a training run on the wrong device.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from drafters import METHODS
+from specviz.core.errors import SpecvizError
+from specviz.core.load import cache_dir
+
+from .experiments import Arm, Budget, Experiment
+from .training import data_recipe, prepare_data, run_folder, train_drafters, training_classes
+
+
+def budget_recipe(exp: Experiment, budget: Budget, device: str):
+    return data_recipe(budget.samples, not exp.domain, budget.max_prompt_tokens, budget.answer_tokens, 32,
+                       budget.prompts, budget.dtype, budget.dtype, device, exp.domain)
+
+
+def budget_config(budget: Budget, device: str):
+    from drafters.training.config import TrainConfig
+
+    return TrainConfig(epochs=budget.epochs, device=device, precision="bf16" if budget.dtype == "bfloat16" else "no",
+                       save_every=50)
+
+
+def shipped_mismatch(card: dict, cls, recipe_card: dict, feature_dtype: str, cfg) -> list[str]:
+    """What in a shipped checkpoint's card differs from a run of ``cls`` at this recipe and config (the device
+    aside): empty when the shipped checkpoint is that run."""
+    from drafters.training.config import OUTSIDE_RUN_KEY
+
+    data, training = card.get("data") or {}, card.get("training") or {}
+    wrong = [f"data {k} {data.get(k)!r}, not {v!r}" for k, v in recipe_card.items() if data.get(k) != v]
+    if data.get("feature_dtype", feature_dtype) != feature_dtype:
+        wrong.append(f"features in {data.get('feature_dtype')}, not {feature_dtype}")
+    wrong += [f"training {k} {training.get(k)!r}, not {v!r}" for k, v in asdict(cfg).items()
+              if k not in OUTSIDE_RUN_KEY and k != "device" and training.get(k) != v]
+    loss = getattr(cls, "loss", None)
+    if loss is not None and card.get("objective") != asdict(loss):
+        wrong.append("its objective not recorded" if card.get("objective") is None else "another objective")
+    if (card.get("network") or {}) != (cls.network_kwargs or {}):
+        wrong.append("another network")
+    return wrong
+
+
+def shipped_bases(names: list[str], budget: Budget, target, recipe, cfg) -> dict[str, Path]:
+    """The arms among ``names`` that bench a shipped checkpoint at this budget (see the module's rules)."""
+    from drafters.checkpoint import CARD, default_path, read_card
+
+    found = {}
+    if not budget.shipped_bases:
+        return found
+    classes = training_classes([n for n in names if n in METHODS])
+    for name, cls in classes.items():
+        folder = default_path(name)
+        if not (folder / CARD).exists():
+            continue
+        wrong = shipped_mismatch(read_card(folder), cls, recipe.card(target), budget.dtype, cfg)
+        if wrong:
+            print(f"{name}: the shipped checkpoint was not trained at the {budget.name} budget ({'; '.join(wrong)}); "
+                  "training it", flush=True)
+        else:
+            found[name] = folder
+    return found
+
+
+def train_arms(exp: Experiment, budget: Budget, target, device: str, trained_on: str | None = None,
+               only: list[str] | None = None, jobs: int = 1, target_spec: str | None = None,
+               ) -> dict[tuple[str, float | None], Path]:
+    """Each trained arm's checkpoint at ``budget`` by (method or variant, joint lambda): shipped, found in the
+    cache, or trained now (``only``: just these arms). ``specviz train`` with the same settings names the same runs."""
+    from drafters.training.joint import JointOptions
+
+    trained_on = trained_on or device
+    recipe, cfg = budget_recipe(exp, budget, device), budget_config(budget, trained_on)
+    names = [n for n in exp.trains if only is None or n in only]
+    folders = {(name, None): f for name, f in shipped_bases(names, budget, target, recipe, cfg).items()}
+    names = [n for n in names if (n, None) not in folders]
+    joint = {lam: [n for n in ns if only is None or n in only] for lam, ns in exp.joint.items()}
+    if trained_on != device:  # only finished runs, carried here (``runs_archive``)
+        runs = finished_runs(names, joint, target, recipe, cfg)
+        missing = [name for name, folder in runs.items() if folder is None]
+        if missing:
+            raise SpecvizError(f"{', '.join(n for n, _ in missing)}: no finished run trained on {trained_on} at the "
+                               f"{budget.name} budget in {cache_dir() / 'train' / 'runs'}; import them "
+                               "(experiment --import) or train them there")
+        return folders | runs
+    if jobs > 1 and len(names) > 1:
+        train_in_processes(exp, budget, names, target, recipe, cfg, jobs, target_spec)
+    if names:
+        found = train_drafters(names, target, recipe, cfg, None, resume=True, ship=False)
+        folders.update({(name, None): folder for name, folder in found.items()})
+    for lam, ns in joint.items():
+        if ns:
+            found = train_drafters(ns, target, recipe, cfg, None, resume=True, ship=False, joint=JointOptions(lam))
+            folders.update({(name, lam): folder for name, folder in found.items()})
+    return folders
+
+
+def finished_runs(names: list[str], joint: dict[float, list[str]], target, recipe, cfg,
+                  ) -> dict[tuple[str, float | None], Path | None]:
+    """Each arm's finished checkpoint folder in the cache, None where its run has not finished."""
+    from drafters.training.joint import JointOptions
+
+    found: dict[tuple[str, float | None], Path | None] = {}
+    for name, lam in [(n, None) for n in names] + [(n, lam) for lam, ns in joint.items() for n in ns]:
+        cls = training_classes([name], None if lam is None else JointOptions(lam))[name]
+        folder = run_folder(name, cls, recipe.features_key(target), cfg) / "checkpoint"
+        found[name, lam] = folder if (folder / "card.json").exists() else None
+    return found
+
+
+def exported_runs(exp: Experiment, budget: Budget, target, device: str) -> list[Path]:
+    """The finished runs of ``exp``'s trained arms at ``budget`` on ``device`` (the shipped ones aside), to carry to
+    another machine; the unfinished ones are named and left."""
+    recipe, cfg = budget_recipe(exp, budget, device), budget_config(budget, device)
+    names = [n for n in exp.trains if n not in shipped_bases(exp.trains, budget, target, recipe, cfg)]
+    runs = finished_runs(names, exp.joint, target, recipe, cfg)
+    for (name, lam), folder in runs.items():
+        if folder is None:
+            joint = "" if lam is None else f" jointly (lambda {lam:g})"
+            print(f"{name}{joint}: not finished; not exported", flush=True)
+    return [f for f in runs.values() if f is not None]
+
+
+def train_in_processes(exp: Experiment, budget: Budget, names: list[str], target, recipe, cfg, jobs: int,
+                       target_spec: str | None) -> None:
+    """Train the unfinished ones of ``names`` up to ``jobs`` at a time, each in its own process; their output goes
+    to logs in the cache. Raises, naming the logs, if any fails."""
+    classes = training_classes(names)
+    todo = [n for n in names if not (run_folder(n, classes[n], recipe.features_key(target), cfg)
+                                     / "checkpoint" / "card.json").exists()]
+    if len(todo) < 2:
+        return
+    prepare_data(classes.values(), target, recipe)  # once, before the processes that read them
+    logs = cache_dir() / "experiments" / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    failed = []
+    queue = list(todo)
+    print(f"training {len(todo)} arms, {min(jobs, len(todo))} at a time; logs in {logs}", flush=True)
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                name = queue.pop(0)
+                spec = {"experiment": asdict(exp), "budget": asdict(budget), "arm": name, "device": cfg.device,
+                        "target": target_spec}
+                cmd = [sys.executable, "-m", "specviz.apps.experiment_train", json.dumps(spec)]
+                with (logs / f"{name}-{budget.name}.log").open("a") as log:
+                    running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), time.monotonic())
+            time.sleep(1.0)
+            for name, (proc, start) in list(running.items()):
+                if proc.poll() is not None:
+                    del running[name]
+                    print(f"{name}: {'finished' if proc.returncode == 0 else f'failed ({proc.returncode})'} after "
+                          f"{time.monotonic() - start:.0f} s", flush=True)
+                    if proc.returncode:
+                        failed.append(name)
+    finally:  # stopped (a time limit's SIGINT, say): stop the runs too; each resumes from its last saved state
+        for proc, _ in running.values():
+            proc.terminate()
+        for proc, _ in running.values():
+            proc.wait()
+    if failed:
+        named = ", ".join(str(logs / f"{n}-{budget.name}.log") for n in failed)
+        raise SpecvizError(f"{', '.join(failed)} failed to train; see {named}")
+
+
+def _train_one(spec: str) -> None:
+    """A ``train_in_processes`` worker: ``train_arms`` for one arm of the experiment and budget ``spec`` holds."""
+    from specviz.core.load import load_target
+
+    spec = json.loads(spec)
+    exp = dict(spec["experiment"])
+    exp = Experiment(**exp | {"arms": tuple(Arm(**a) for a in exp["arms"]), "temperatures": tuple(exp["temperatures"])})
+    target = load_target(spec["target"], "float32", spec["device"])
+    train_arms(exp, Budget(**spec["budget"]), target, spec["device"], only=[spec["arm"]])
+
+
+if __name__ == "__main__":
+    _train_one(sys.argv[1])

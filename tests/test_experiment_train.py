@@ -1,0 +1,142 @@
+"""Where an experiment's arms come from: shipped checkpoints at the shared budget, several runs trained at once in
+processes of their own, and finished runs carried from the machine that trained them to the one that benches them."""
+
+from __future__ import annotations
+
+import lzma
+import shutil
+import tarfile
+from dataclasses import asdict
+
+import pytest
+
+from drafters.checkpoint import CARD, SHIPPED_WEIGHTS, weights_file
+from drafters.variants import trained_class
+from specviz.apps import experiment_train, training
+from specviz.apps.cli import main
+from specviz.apps.experiment_train import budget_config, budget_recipe, finished_runs, shipped_mismatch, train_arms
+from specviz.apps.experiments import BUDGETS, Arm, Budget, Experiment
+from specviz.apps.runs_archive import export_runs, import_runs
+from specviz.core.errors import SpecvizError
+from specviz.core.load import load_target
+
+TINY = Budget("tiny", "6", "first", 64, 1, "float32", "a test's", answer_tokens=8)
+SPEC = "eagle2:depth=2:top_k=2:total_tokens=4"
+
+
+def _exp(*trains: str) -> Experiment:
+    return Experiment("tiny-carry", "HASS", "Table 5", "Do carried runs bench?",
+                      tuple(Arm(t, SPEC if not t.startswith("hass") else SPEC.replace("eagle2", "hass"), t)
+                            for t in trains))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target(str(tiny_target_dir), "float32", "cpu")
+
+
+@pytest.fixture(scope="module")
+def in_processes(target, tiny_target_dir):
+    """Two arms trained at once, each in a process of its own (``jobs=2``), then found by the parent."""
+    exp = _exp("eagle2", "hass-beta0.5")
+    return exp, train_arms(exp, TINY, target, "cpu", jobs=2, target_spec=str(tiny_target_dir))
+
+
+def test_arms_trained_in_processes_are_the_runs_a_lone_run_names(in_processes, target, monkeypatch, capsys):
+    exp, folders = in_processes
+    recipe, cfg = budget_recipe(exp, TINY, "cpu"), budget_config(TINY, "cpu")
+    expected = {(n, None): training.run_folder(n, trained_class(n), recipe.features_key(target), cfg) / "checkpoint"
+                for n in exp.trains}
+    assert folders == expected and all((f / CARD).exists() and weights_file(f) for f in folders.values())
+    logs = list((experiment_train.cache_dir() / "experiments" / "logs").glob("*-tiny.log"))
+    assert {p.name for p in logs} >= {"eagle2-tiny.log", "hass-beta0.5-tiny.log"}
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run trained again")
+
+    monkeypatch.setattr("drafters.training.loop.train", no_training)
+    assert train_arms(exp, TINY, target, "cpu", jobs=2) == folders  # finished: nothing trains, no process starts
+    assert "finished before" in capsys.readouterr().out
+
+
+def test_a_failed_process_is_named_with_its_log(target, monkeypatch):
+    exp = _exp("hass-beta0.25", "hass-passes2")
+    monkeypatch.setattr(experiment_train.sys, "executable", "/bin/false")
+    failed = r"hass-beta0.25, hass-passes2 failed to train; see .*hass-beta0.25-tiny.log"
+    with pytest.raises(SpecvizError, match=failed):
+        train_arms(exp, TINY, target, "cpu", jobs=2)
+
+
+def test_runs_travel_in_parts_and_import_as_the_same_runs(in_processes, target, tmp_path, monkeypatch):
+    exp, folders = in_processes
+    sizes = [len(lzma.compress(weights_file(f).read_bytes())) for f in folders.values()]
+    parts = export_runs(list(folders.values()), tmp_path / "out", max(sizes) + 64 * 1024)
+    assert len(parts) == 2 and all(p.stat().st_size <= max(sizes) + 64 * 1024 for p in parts)  # one run a part
+    with pytest.raises(SpecvizError, match="will not fit a part of 1,000 bytes"):
+        export_runs(list(folders.values()), tmp_path / "small", 1000)
+
+    into = tmp_path / "runs"
+    imported = import_runs(parts, into)
+    assert [f.parent.name for f in imported] == [f.parent.name for f in folders.values()]
+    for here, there in zip(folders.values(), imported):
+        assert (there / CARD).read_bytes() == (here / CARD).read_bytes()
+        assert lzma.decompress((there / SHIPPED_WEIGHTS).read_bytes()) == weights_file(here).read_bytes()
+    assert import_runs(parts, into) == []  # finished here already: kept, not overwritten
+
+    bad = tmp_path / "bad.tar"
+    with tarfile.open(bad, "w") as tar:
+        tar.add(parts[0], arcname="../escape")
+    with pytest.raises(SpecvizError, match="unexpected member '../escape'"):
+        import_runs([bad], into)
+    with pytest.raises(SpecvizError, match="not a runs archive"):
+        import_runs([tmp_path / "missing.tar"], into)
+
+
+def test_runs_trained_on_another_device_are_benched_and_a_missing_one_is_an_error(in_processes, target, tmp_path):
+    exp, folders = in_processes
+    with pytest.raises(SpecvizError, match="eagle2, hass-beta0.5: no finished run trained on cuda"):
+        train_arms(exp, TINY, target, "cpu", trained_on="cuda")
+    recipe, cuda = budget_recipe(exp, TINY, "cpu"), budget_config(TINY, "cuda")
+    for name in exp.trains:  # as an import of a GPU's runs would place them
+        there = training.run_folder(name, trained_class(name), recipe.features_key(target), cuda) / "checkpoint"
+        shutil.copytree(folders[name, None], there)
+    found = train_arms(exp, TINY, target, "cpu", trained_on="cuda")
+    assert set(found) == set(folders) and all("checkpoint" == f.name and f != folders[k] for k, f in found.items())
+    assert finished_runs(exp.trains, {}, target, recipe, cuda) == found
+
+
+def test_the_shared_budget_benches_a_shipped_checkpoint_only_where_its_card_says_it_was_trained_so(target):
+    shared = BUDGETS["shared"]
+    exp = _exp("hass")
+    recipe, cfg = budget_recipe(exp, shared, "cpu"), budget_config(shared, "cpu")
+    cls = trained_class("hass")
+    card = {"data": recipe.card(target) | {"feature_dtype": "bfloat16", "train_samples": 13655},
+            "training": asdict(cfg) | {"device": "cuda", "save_every": 200, "steps": 4052},
+            "objective": asdict(cls.loss)}
+    assert shipped_mismatch(card, cls, recipe.card(target), "bfloat16", cfg) == []
+    card["training"]["epochs"] = 2
+    card["objective"] = None
+    card["network"] = {"blocks": 4}
+    assert shipped_mismatch(card, cls, recipe.card(target), "bfloat16", cfg) == [
+        "training epochs 2, not 4", "its objective not recorded", "another network"]
+    assert not TINY.shipped_bases and shared.shipped_bases
+
+
+def test_the_command_exports_and_imports_runs_and_refuses_to_bench_several(in_processes, tiny_target_dir, tmp_path,
+                                                                          monkeypatch, capsys):
+    exp, folders = in_processes
+    from specviz.apps import experiment_cli
+
+    monkeypatch.setattr(experiment_cli, "experiment", lambda name: exp)
+    monkeypatch.setattr(experiment_cli, "budget", lambda name: TINY)
+    base = ["experiment", "tiny-carry", "--target", str(tiny_target_dir), "--device", "cpu"]
+    assert main(base + ["--export", str(tmp_path / "parts"), "--part-mb", "64"]) == 0
+    parts = sorted((tmp_path / "parts").iterdir())
+    assert len(parts) == 1 and "wrote 1 part" in capsys.readouterr().out
+    for f in folders.values():
+        shutil.rmtree(f.parent)
+    assert main(base + ["--import", *map(str, parts), "--train-only"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("imported ") == 2 and "finished before" in out  # carried, not trained again
+    assert main(["experiment", "tiny-carry,tiny-carry", "--device", "cpu"]) == 2
+    assert "bench one experiment at a time" in capsys.readouterr().err
