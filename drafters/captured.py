@@ -36,7 +36,7 @@ def capture_drafters(target) -> bool:
     """Whether feature drafters compile their forwards for ``target``: only where the target itself runs compiled,
     and then as ``SPECVIZ_DRAFTER_ENGINE`` says: "compiled", "eager", or "auto" (the default: compiled off the
     CPU). On a CPU a compiled one-layer drafter measured slower than the eager one: dynamo's cost per call
-    (guards, argument handling) outweighs the few operators a graph fuses (docs/tuning.md)."""
+    (guards, argument handling) outweighs the few operators a graph fuses (docs/engine.md)."""
     choice = os.environ.get("SPECVIZ_DRAFTER_ENGINE", "auto")
     if choice not in ("auto", "compiled", "eager"):
         raise SettingsError(f"SPECVIZ_DRAFTER_ENGINE is auto, compiled or eager, got {choice!r}")

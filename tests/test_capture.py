@@ -136,6 +136,23 @@ def test_a_compiled_forward_that_breaks_mid_decode_hands_over_to_the_eager_path(
     assert target.engine.detail == detail
 
 
+def test_a_drafter_tapping_layers_after_compilation_keeps_the_compiled_path(tiny_llama, ref_greedy):
+    """EAGLE-3 asks for layer inputs when it is built: a target compiled before that compiles again, the whole
+    model's forward, so that every method (not only EAGLE-3) keeps decoding on the compiled path."""
+    target = TargetModel(prepare(tiny_llama(vocab_size=64, seed=3), pack=True))
+    assert target.use_engine("compiled").path == "compiled" and target.captured.split
+    assert target.tap([0, 1]) == [1, 2] and target.taps == (0, 1)
+    assert not target.captured.split and target.captured.ready and target.engine.path == "compiled"
+    calls = []
+    fn = target.captured._fn
+    target.captured._fn = lambda *a, **k: calls.append(1) or fn(*a, **k)
+    result = run(target, build_drafter("pld", target, num_tokens=3), PROMPTS[1], 20, stop_on_eos=False)
+    assert result.output_ids == ref_greedy(target.model, PROMPTS[1], 20) and len(calls) >= 5
+    logits, feats = target.prefill(PROMPTS[0], target.new_cache(32))
+    assert feats.shape[-1] == 3 * target.config.hidden_size  # the features, then layers 0 and 1's inputs
+    assert target.tap([1]) == [2] and not target.captured.split  # nothing new: no compiling again
+
+
 def test_the_cpu_graph_runs_on_packed_weights(pair, monkeypatch):
     """Every linear layer of a compiled forward is a packed product (``specviz::packed_linear``, or with the layers
     reading its input ``specviz::packed_group``, called from the graph), not ``aten::mm`` on unpacked weights."""

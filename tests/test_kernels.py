@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import train_tiny_drafter
 from drafters import build_drafter
 from drafters.ar import AutoregressiveDrafter
-from specviz.core import kernels
+from specviz.core import kernels, rows
 from specviz.core.cpu import cpu_flags, cpuinfo
 from specviz.core.engine import run
 from specviz.core.kernels import KernelChoice, choose, crossover, measure
@@ -101,13 +101,13 @@ def test_choose_measures_once_per_machine_and_applies_the_rule(tiny_llama, monke
 @pytest.mark.parametrize("method,settings", [("ar", {}), ("pld", {}), ("lookahead", dict(window=4, ngram=3, guesses=4)),
                                              ("skip", dict(layers=2, num_tokens=3))], ids=str)
 def test_a_split_rule_stays_lossless(method, settings, tiny_llama):
-    """One-token forwards on the default kernels, verifies of three rows or more on packed ones: every method's
+    """One-token forwards on the plain kernel, verifies of three rows or more on packed ones: every method's
     greedy output is still the unpacked target's AR output (fp32)."""
     plain = TargetModel(tiny_llama(VOCAB, seed=0, num_layers=4))
     model = prepare(tiny_llama(VOCAB, seed=0, num_layers=4), pack=True)
     set_plain_rows(model, 2)
     split = TargetModel(model)
-    assert split.plain_rows == 2 and split.kernels.endswith("default kernels up to 2 rows)")
+    assert split.plain_rows == 2 and split.kernels.endswith(f"{rows.plain_name()} up to 2 rows)")
     drafter = build_drafter(method, split, **settings)
     for prompt in PROMPTS:
         want = run(plain, AutoregressiveDrafter(), prompt, 30, stop_on_eos=False).output_ids

@@ -125,8 +125,8 @@ def curve_text(result: dict) -> str:
 
 def kernels_text(choice: KernelChoice) -> str:
     """``core.kernels``' measurement as the terminal shows it: every packed layer once, each way, per row count."""
-    lines = ["one call of every packed linear layer, ms (median), default kernels against packed oneDNN:"]
+    lines = [f"one call of every packed linear layer, ms (median), {choice.plain} against packed oneDNN:"]
     for size, plain, packed in zip(choice.sizes, choice.plain_ms, choice.packed_ms):
-        lines.append(f"  {size:3d} rows: default {plain:7.2f}   packed {packed:7.2f}   ({plain / packed:.2f}x)")
+        lines.append(f"  {size:3d} rows: plain {plain:7.2f}   packed {packed:7.2f}   ({plain / packed:.2f}x)")
     lines.append(f"chosen: {choice.describe()}")
     return "\n".join(lines)

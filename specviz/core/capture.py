@@ -273,6 +273,11 @@ class CapturedForward:
             self._thread.start()
         return self._thread
 
+    @property
+    def started(self) -> bool:
+        """Whether it compiles (or compiled) on a thread of its own (``start``), not in the caller's."""
+        return self._thread is not None
+
     def thread_alive(self) -> bool:
         """Whether a background compilation is still running."""
         return self._thread is not None and self._thread.is_alive()

@@ -13,7 +13,8 @@ of the modeling code.
   stack, of which each layer's own weight becomes a view (its rows, the same values: no second dense copy), and
   the stack packed, one more copy of those layers' weights (the separate packed ones serve the eager path).
 - Rule: a group's call follows its layers' kernel rule (``packing.packs``, with the plain_rows every layer
-  of a group shares): at most ``plain_rows`` rows, the plain product over the dense stack, also one call.
+  of a group shares): at most ``plain_rows`` rows, the plain product (``rows.linear``) over the dense stack, also
+  one call.
 
 Exactness: each output column is the same dot product over the same input as in its own layer's call, so the
 stacked product's columns equal the separate ones wherever the kernel reduces each column alike; the tests check
@@ -26,10 +27,9 @@ import weakref
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from . import packing
+from . import packing, rows
 
 _GROUPS: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
 # layers -> (their weights stacked dense, that stack packed, their biases stacked)
@@ -60,7 +60,7 @@ def _packed_group_op(x: torch.Tensor, layers: list[int]) -> torch.Tensor:
     dense, packed, bias = _GROUPS.get(key) or _stacked(key, _layers(layers))
     if packing.packs(packing.layer(layers[0]), x):
         return packing.packed_linear(x, packed, bias)
-    return F.linear(x, dense, bias)
+    return rows.linear(x, dense, bias)
 
 
 def _packed_group_fake(x: torch.Tensor, layers: list[int]) -> torch.Tensor:

@@ -6,10 +6,11 @@ faster and the packed ones won from four. A rule chosen on one host is wrong on 
 measured where the model runs:
 
 - every packed layer of the model is called once per round, in order, at each row count in ``SIZES``, on
-  its packed weight and on its dense one, the two interleaved; so the weights stream from memory as in
+  its packed weight and on its dense one (the plain kernel: ``core.rows``' where it is built, else PyTorch's
+  default), the two interleaved; so the weights stream from memory as in
   a forward, which a loop over one layer (its weight warm in the cache) would not show;
 - a row count's time is the median of its rounds;
-- ``plain_up_to`` is the largest measured row count up to which the default kernels beat the packed ones
+- ``plain_up_to`` is the largest measured row count up to which the plain kernel beats the packed ones
   at *every* measured count by at least ``MARGIN`` (noise must not flip a layer's kernel); 0 keeps every
   call packed. Counts between two measured ones go to the packed kernels.
 
@@ -28,8 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 
+from . import rows
 from .cpu import cpu_flags, cpuinfo
 from .files import atomic_write, cache_dir, content_key
 from .packing import packed_linear, packed_linears, packed_weight, set_plain_rows
@@ -37,7 +38,7 @@ from .packing import packed_linear, packed_linears, packed_weight, set_plain_row
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # the row counts decoding runs: AR, chains, small trees
 MARGIN = 0.05
 ROUNDS = 5
-REVISION = 1  # bump when the measurement changes, so cached choices are measured again
+REVISION = 2  # bump when the measurement changes, so cached choices are measured again
 
 
 @dataclass(frozen=True)
@@ -45,15 +46,16 @@ class KernelChoice:
     """Milliseconds of one call of every packed layer at each row count, both ways, and the rule they give."""
 
     sizes: tuple[int, ...]
-    plain_ms: tuple[float, ...]  # PyTorch's default kernels on the dense weights
+    plain_ms: tuple[float, ...]  # the plain kernel on the dense weights
     packed_ms: tuple[float, ...]  # oneDNN on the packed weights
-    plain_up_to: int  # calls of at most this many rows run on the default kernels; 0: all packed
+    plain_up_to: int  # calls of at most this many rows run on the plain kernel; 0: all packed
+    plain: str = "default kernels"  # which plain kernel was measured: "the rows kernel" (``core.rows``) or PyTorch's
 
     def describe(self) -> str:
         if not self.plain_up_to:
             return "packed at every row count"
-        rows = "1 row" if self.plain_up_to == 1 else f"up to {self.plain_up_to} rows"
-        return f"default kernels for {rows}, packed above"
+        count = "1 row" if self.plain_up_to == 1 else f"up to {self.plain_up_to} rows"
+        return f"{self.plain} for {count}, packed above"
 
 
 def crossover(sizes: tuple[int, ...], plain_ms: tuple[float, ...], packed_ms: tuple[float, ...],
@@ -83,20 +85,21 @@ def measure(model: torch.nn.Module, sizes: tuple[int, ...] = SIZES, rounds: int 
                     start = time.perf_counter()
                     for m, x in zip(layers, inputs[size]):
                         if plain:
-                            F.linear(x, m.weight, m.bias)
+                            rows.linear(x, m.weight, m.bias)
                         else:
                             packed_linear(x, packed_weight(m), m.bias)
                     if r:
                         times[size, plain].append(1000 * (time.perf_counter() - start))
+        plain = "the rows kernel" if rows.fits(inputs[sizes[0]][0], layers[0].weight) else "default kernels"
     plain_ms = tuple(round(statistics.median(times[s, True]), 3) for s in sizes)
     packed_ms = tuple(round(statistics.median(times[s, False]), 3) for s in sizes)
-    return KernelChoice(tuple(sizes), plain_ms, packed_ms, crossover(tuple(sizes), plain_ms, packed_ms))
+    return KernelChoice(tuple(sizes), plain_ms, packed_ms, crossover(tuple(sizes), plain_ms, packed_ms), plain)
 
 
 def _key(model: torch.nn.Module) -> str:
     shapes = [(m.out_features, m.in_features, str(m.weight.dtype)) for m in packed_linears(model)]
     return content_key([REVISION, cpuinfo("model name"), sorted(cpu_flags()), os.cpu_count(), torch.__version__,
-                        torch.get_num_threads(), shapes])
+                        torch.get_num_threads(), shapes, rows.unavailable()])
 
 
 def choose(model: torch.nn.Module, refresh: bool = False) -> KernelChoice | None:

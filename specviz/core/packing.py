@@ -16,8 +16,9 @@ operator names the layer by a number (``install`` gives every packed layer one),
 opaque oneDNN tensor cannot enter a graph.
 
 Packed is not faster at every row count on every CPU: a packed layer may run its smallest calls (up to
-``plain_rows`` rows) on the default kernels instead, where those measured faster on this machine
-(``core.kernels`` measures where; nothing here assumes one host's answer).
+``plain_rows`` rows) on the plain kernels instead, where those measured faster on this machine
+(``core.kernels`` measures where; nothing here assumes one host's answer). The plain kernel is the rows kernel
+(``core.rows``) where it fits and is built here, else PyTorch's default.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from . import rows
+
 _ATTR = "_specviz_packed"  # a module's packed weight
 _FORWARD = "_specviz_forward"  # the function its forward runs on it (``install``)
 _PLAIN_ROWS = "_specviz_plain_rows"
@@ -43,11 +46,14 @@ _NUMBERS = itertools.count()
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, plain_rows: int = 0) -> torch.Tensor:
     """``F.linear``, on ``packed`` (``pack(weight)``) where given, autograd and autocast are off, dtypes agree and
-    ``x`` has more than ``plain_rows`` rows (all its dimensions but the last). Under ``torch.compile`` the plain
-    op (a packed module runs ``specviz::packed_linear`` there instead, the module docstring)."""
+    ``x`` has more than ``plain_rows`` rows (all its dimensions but the last), else on the plain kernel
+    (``rows.linear``). Under ``torch.compile`` the plain op (a packed module runs ``specviz::packed_linear`` there
+    instead, the module docstring)."""
     if (packed is None or torch.compiler.is_compiling() or torch.is_grad_enabled()
-            or torch.is_autocast_enabled(x.device.type) or not _packs(x, packed, plain_rows)):
+            or torch.is_autocast_enabled(x.device.type)):
         return F.linear(x, weight, bias)
+    if not _packs(x, packed, plain_rows):
+        return rows.linear(x, weight, bias)
     return packed_linear(x, packed, bias)
 
 
@@ -77,7 +83,7 @@ def _packed_linear_op(x: torch.Tensor, number: int) -> torch.Tensor:
     packed = own[_ATTR]
     if _packs(x, packed, own.get(_PLAIN_ROWS, 0)):
         return packed_linear(x, packed, module.bias)
-    return F.linear(x, module.weight, module.bias)
+    return rows.linear(x, module.weight, module.bias)
 
 
 def _packed_linear_fake(x: torch.Tensor, number: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache
 
+from . import rows
 from .cache import SlabCache
 from .cache import for_model as cache_for_model
 from .capture import (
@@ -123,7 +124,7 @@ class TargetModel:
 
     @property
     def plain_rows(self) -> int:
-        """Calls of up to this many rows run on the default kernels, not the packed ones (``core.kernels``)."""
+        """Calls of up to this many rows run on the plain kernel, not the packed ones (``core.kernels``)."""
         return plain_rows_of(self.model) if self.packed_linears else 0
 
     @property
@@ -131,7 +132,7 @@ class TargetModel:
         """Which linear kernels the target runs on (speed depends on it)."""
         if not self.packed_linears:
             return "default"
-        plain = f"; default kernels up to {self.plain_rows} rows" if self.plain_rows else ""
+        plain = f"; {rows.plain_name()} up to {self.plain_rows} rows" if self.plain_rows else ""
         head = "; bf16 head, exact in fp32 at the top" if refined(self.model) else ""
         return f"oneDNN packed ({self.packed_linears} layers{plain}{head})"
 
@@ -157,7 +158,13 @@ class TargetModel:
         bad = [i for i in layers if not 0 <= i < self.num_layers]
         if bad:
             raise TargetError(f"layer {bad[0]} does not exist: this target has {self.num_layers} decoder layers")
-        self.taps += tuple(i for i in dict.fromkeys(layers) if i not in self.taps)
+        added = tuple(i for i in dict.fromkeys(layers) if i not in self.taps)
+        self.taps += added
+        if added and self.captured is not None and self.captured.split:
+            # compiled before: that graph returns no layer inputs, and a target with taps would decode every
+            # method eagerly; compile the whole model's forward instead (on a thread if the first one was)
+            old = self.captured
+            self.use_engine("compiled", background=old.started, layout=old.layout)
         return [1 + self.taps.index(i) for i in layers]
 
     # -- forward passes ---------------------------------------------------------------------

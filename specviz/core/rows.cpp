@@ -1,0 +1,118 @@
+// specviz_rows::linear(x, w): x [M, K] @ w[N, K]^T for the few rows decoding runs (AR, chains, small trees), fp32.
+//
+// Why: a decode product streams the whole weight for a handful of rows. The default kernels (MKL) and oneDNN's
+// packed ones reach the memory floor at one row, but from four rows they cost a third to a half more, so a tree
+// verify pays for rows it barely computes on. Here each weight row is read once for all M rows (up to 8 at a
+// time, from L1 after the first), with the next rows prefetched, so the product stays near the floor longer.
+//
+// Rules: each output is one vector accumulator over k in order, its lanes summed by halves (hsum); the same
+// instructions for every M, so a row's result does not depend on the rows beside it (a verify's logits are a
+// one-token forward's, bit for bit). Requires contiguous fp32 x and w with K a multiple of the vector width;
+// the caller (core/rows.py) checks and falls back to the default kernels otherwise.
+#if defined(__AVX512F__)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__)
+#define CPU_CAPABILITY_AVX2
+#endif
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+namespace {
+using Vec = at::vec::Vectorized<float>;
+constexpr int V = Vec::size();
+constexpr int PREFETCH_BLOCKS = 1;  // prefetch the weight rows this many blocks ahead (into L1)
+constexpr int64_t TILE = 32;        // weight rows per task; a task's later row blocks read them from cache
+
+// the lanes summed by halves: (l, l + V/2), then (l, l + V/4), ...
+inline float hsum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(v);
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m128 h = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#else
+  float buf[V];
+  v.store(buf);
+  for (int s = V / 2; s >= 1; s /= 2)
+    for (int l = 0; l < s; ++l) buf[l] += buf[l + s];
+  return buf[0];
+#endif
+}
+
+// MB rows of x against NB weight rows: out[j, i] = sum_k x[j, k] w[i, k]
+template <int MB, int NB, bool PF>
+inline void block(const float* x, int64_t K, const float* w, float* out, int64_t N) {
+  Vec acc[NB][MB];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) acc[i][j] = Vec(0.f);
+  for (int64_t k = 0; k < K; k += V) {
+    Vec xv[MB];
+    for (int j = 0; j < MB; ++j) xv[j] = Vec::loadu(x + j * K + k);
+    for (int i = 0; i < NB; ++i) {
+      if (PF) __builtin_prefetch(w + (i + NB * PREFETCH_BLOCKS) * K + k, 0, 3);
+      Vec wv = Vec::loadu(w + i * K + k);
+      for (int j = 0; j < MB; ++j) acc[i][j] = at::vec::fmadd(wv, xv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) out[j * N + i] = hsum(acc[i][j]);
+}
+
+// MB rows of x against weight rows [n0, n1): NB at a time while the registers hold their accumulators
+template <int MB, bool PF>
+void panel(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out, int64_t N) {
+  constexpr int NB = MB <= 2 ? 4 : (V == 16 || MB <= 4) ? 2 : 1;
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) block<MB, NB, PF>(x, K, w + n * K, out + n, N);
+  for (; n < n1; ++n) block<MB, 1, false>(x, K, w + n * K, out + n, N);
+}
+
+template <bool PF>
+void rows(int64_t mb, const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out, int64_t N) {
+  switch (mb) {
+    case 1: return panel<1, PF>(x, K, w, n0, n1, out, N);
+    case 2: return panel<2, PF>(x, K, w, n0, n1, out, N);
+    case 3: return panel<3, PF>(x, K, w, n0, n1, out, N);
+    case 4: return panel<4, PF>(x, K, w, n0, n1, out, N);
+    case 5: return panel<5, PF>(x, K, w, n0, n1, out, N);
+    case 6: return panel<6, PF>(x, K, w, n0, n1, out, N);
+    case 7: return panel<7, PF>(x, K, w, n0, n1, out, N);
+    default: return panel<8, PF>(x, K, w, n0, n1, out, N);
+  }
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "specviz_rows::linear: shapes");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "specviz_rows::linear: fp32 only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.size(1) % V == 0, "specviz_rows::linear: layout");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * TILE, n1 = std::min(N, n0 + TILE);
+      for (int64_t m = 0; m < M; m += 8) {  // the first row block streams the tile in, the others reuse it
+        const int64_t mb = std::min<int64_t>(8, M - m);
+        if (m == 0) rows<true>(mb, xp, K, wp, n0, n1, op, N);
+        else rows<false>(mb, xp + m * K, K, wp, n0, n1, op + m * N, N);
+      }
+    }
+  });
+  return out;
+}
+
+int64_t width() { return V; }
+}  // namespace
+
+TORCH_LIBRARY(specviz_rows, m) {
+  m.def("linear(Tensor x, Tensor w) -> Tensor");
+  m.def("width() -> int");
+  m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+  m.impl("width", c10::DispatchKey::CatchAll, TORCH_FN(width));
+}
