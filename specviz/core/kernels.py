@@ -99,7 +99,8 @@ def measure(model: torch.nn.Module, sizes: tuple[int, ...] = SIZES, rounds: int 
 def _key(model: torch.nn.Module) -> str:
     shapes = [(m.out_features, m.in_features, str(m.weight.dtype)) for m in packed_linears(model)]
     return content_key([REVISION, cpuinfo("model name"), sorted(cpu_flags()), os.cpu_count(), torch.__version__,
-                        torch.get_num_threads(), shapes, rows.unavailable()])
+                        torch.get_num_threads(), shapes,
+                        rows.unavailable() if any(d == str(torch.float32) for *_, d in shapes) else None])
 
 
 def choose(model: torch.nn.Module, refresh: bool = False) -> KernelChoice | None:

@@ -79,9 +79,10 @@ def plain_name() -> str:
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` may run on the rows kernel (the module docstring's rule)."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+        return False  # before building: a bf16 or GPU target never needs the kernel
     width = _load()
-    return (width > 0 and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
-            and x.shape[-1] % width == 0 and weight.is_contiguous() and not torch.is_grad_enabled())
+    return width > 0 and x.shape[-1] % width == 0 and weight.is_contiguous() and not torch.is_grad_enabled()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
