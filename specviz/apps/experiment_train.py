@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from drafters import METHODS
+from drafters.checkpoint import CARD
 from specviz.core.errors import SpecvizError
 from specviz.core.load import cache_dir
 
@@ -64,7 +65,7 @@ def shipped_mismatch(card: dict, cls, recipe_card: dict, feature_dtype: str, cfg
 
 def shipped_bases(names: list[str], budget: Budget, target, recipe, cfg) -> dict[str, Path]:
     """The arms among ``names`` that bench a shipped checkpoint at this budget (see the module's rules)."""
-    from drafters.checkpoint import CARD, default_path, read_card
+    from drafters.checkpoint import default_path, read_card
 
     found = {}
     if not budget.shipped_bases:
@@ -125,7 +126,7 @@ def finished_runs(names: list[str], joint: dict[float, list[str]], target, recip
     for name, lam in [(n, None) for n in names] + [(n, lam) for lam, ns in joint.items() for n in ns]:
         cls = training_classes([name], None if lam is None else JointOptions(lam))[name]
         folder = run_folder(name, cls, recipe.features_key(target), cfg) / "checkpoint"
-        found[name, lam] = folder if (folder / "card.json").exists() else None
+        found[name, lam] = folder if (folder / CARD).exists() else None
     return found
 
 
@@ -146,12 +147,10 @@ def train_in_processes(exp: Experiment, budget: Budget, names: list[str], target
                        target_spec: str | None) -> None:
     """Train the unfinished ones of ``names`` up to ``jobs`` at a time, each in its own process; their output goes
     to logs in the cache. Raises, naming the logs, if any fails."""
-    classes = training_classes(names)
-    todo = [n for n in names if not (run_folder(n, classes[n], recipe.features_key(target), cfg)
-                                     / "checkpoint" / "card.json").exists()]
+    todo = [name for (name, _), folder in finished_runs(names, {}, target, recipe, cfg).items() if folder is None]
     if len(todo) < 2:
         return
-    prepare_data(classes.values(), target, recipe)  # once, before the processes that read them
+    prepare_data(training_classes(todo).values(), target, recipe)  # once, before the processes that read them
     logs = cache_dir() / "experiments" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     running: dict[str, tuple[subprocess.Popen, float]] = {}

@@ -16,7 +16,6 @@ Rules:
 
 from __future__ import annotations
 
-import functools
 import platform
 import threading
 from pathlib import Path
@@ -30,6 +29,7 @@ from .files import cache_dir, content_key
 SOURCE = Path(__file__).with_name("rows.cpp")
 _STATE: dict[str, object] = {}
 _LOCK = threading.Lock()  # one build and load a process, whichever thread asks first
+_width: int | None = None  # the kernel's vector width once loaded, 0 where it cannot be (``_load``)
 
 
 def _build_folder() -> Path:
@@ -40,11 +40,14 @@ def _build_folder() -> Path:
 
 def _load() -> int:
     """Build (once per machine) and load the kernel; returns its vector width, or 0 where it cannot."""
-    with _LOCK:
-        return _build_and_load()
+    global _width
+    if _width is None:  # the first call builds and loads; the later ones (every product's) read a number
+        with _LOCK:
+            if _width is None:
+                _width = _build_and_load()
+    return _width
 
 
-@functools.cache
 def _build_and_load() -> int:
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
         _STATE["reason"] = "the rows kernel needs an x86-64 CPU with AVX2 and FMA"
