@@ -30,6 +30,7 @@ from torch import nn
 from specviz.core.cache import SlabCache
 from specviz.core.capture import compile_forward, default_layout, failure_text, run_graph
 from specviz.core.errors import SettingsError
+from specviz.core.packing import register
 
 
 def capture_drafters(target) -> bool:
@@ -84,6 +85,8 @@ class CapturedDraft:
         def top(head_in, k: int):
             return torch.log_softmax(head(head_in).float(), dim=-1).topk(k, dim=-1)
 
+        if device.type == "cpu":
+            register(net)  # its packed layers' calls in C++ where the rows extension loads (``core.packing``)
         self.step, self.top = compile_forward(step, device, self.graphs), compile_forward(top, device, self.graphs)
         self.ready, self.error, self.compile_s = False, None, None
         self.calls = 0  # forwards that went through the graphs: what tests and the profile read

@@ -23,7 +23,7 @@ from drafters.captured import capture_drafters
 from specviz.apps.cli import main
 from specviz.apps.methods import split_engine
 from specviz.apps.results import BenchResult
-from specviz.core import packing
+from specviz.core import rows
 from specviz.core.attention import NAME
 from specviz.core.capture import CapturedForward, EngineStatus, plain_causal_lm, use_cache_folder
 from specviz.core.engine import generate, output_ids, run
@@ -153,22 +153,28 @@ def test_a_drafter_tapping_layers_after_compilation_keeps_the_compiled_path(tiny
     assert target.tap([1]) == [2] and not target.captured.split  # nothing new: no compiling again
 
 
-def test_the_cpu_graph_runs_on_packed_weights(pair, monkeypatch):
-    """Every linear layer of a compiled forward is a packed product (``specviz::packed_linear``, or with the layers
-    reading its input ``specviz::packed_group``, called from the graph), not ``aten::mm`` on unpacked weights."""
+def test_the_cpu_graph_runs_on_packed_weights(pair):
+    """Every linear layer of a compiled forward is a packed product called from the graph through the rows
+    extension's C++ operators (``specviz_rows::layer``, or with the layers reading its input ``specviz_rows::group``;
+    ``core.packing.register``), not ``aten::mm`` on unpacked weights and not a Python operator."""
+    from torch.profiler import profile
+
     compiled, _ = pair
     layers = packed_count(compiled.model)
     assert layers == 2 * 7 + 1 or pack(torch.ones(2, 2)) is None  # two layers of seven, and the head
-    calls, graph = [], compiled.captured._fn
-    real = packing.packed_linear
-    monkeypatch.setattr(packing, "packed_linear", lambda *args: calls.append("layer") or real(*args))
-    monkeypatch.setattr(compiled.captured, "_fn", lambda **kwargs: calls.append("graph") or graph(**kwargs))
+    assert rows.available(), rows.unavailable()  # CI's machine and ours build it (``test_rows``)
     cache = compiled.new_cache(64)
     compiled.prefill(PROMPTS[1], cache)
-    calls.clear()
-    compiled.forward_rows(torch.tensor([[5, 6]]), torch.tensor([[11, 12]]), None, cache)
+    ids, positions = torch.tensor([[5, 6]]), torch.tensor([[11, 12]])
+    compiled.forward_rows(ids, positions, None, cache)  # any graph this context asks for compiled outside the count
+    cache.crop(-2)
+    with profile() as prof:
+        compiled.forward_rows(ids, positions, None, cache)
+    counts = {e.key: e.count for e in prof.key_averages()}
     # q, k and v as one product, gate and up as one (``core.grouping``): four a decoder layer, and the head
-    assert calls == ["graph"] + ["layer"] * (layers - 2 * 3)
+    assert counts.get("specviz_rows::group") == 2 * 2 and counts.get("specviz_rows::layer") == 2 * 2 + 1
+    assert counts.get("mkldnn::_linear_pointwise") == layers - 2 * 3  # each call's packed product (2 rows > 0)
+    assert not {"aten::mm", "aten::addmm", "specviz::packed_linear", "specviz::packed_group"} & set(counts)
 
 
 def test_a_second_compilation_comes_from_inductors_cache(pair):

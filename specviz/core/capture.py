@@ -59,10 +59,11 @@ from torch.utils._pytree import tree_map_only
 from .files import cache_dir
 from .grouping import GroupPass
 from .head import refined
+from .packing import register
 
 ENGINES = ("eager", "compiled", "auto")  # auto: compiled where torch.compile works here, else eager
 LAYOUTS = ("live", "buffer")  # what attention reads in a compiled forward: the live rows, or the whole buffer
-REVISION = 6  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
+REVISION = 7  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
 
 
 def capture_unsupported(device: torch.device) -> str:
@@ -175,6 +176,10 @@ def compile_forward(fn, device: torch.device, graphs: bool = False):
     # a decode asks for three graphs (one row, a chain, a tree mask; ``SlabCache.reserve`` never fills a buffer
     # exactly, which would be a fourth); head room for a target whose forward specialises on more
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+    # floats as constants: a model's float attributes (rotary scaling, norm eps) otherwise start as symbols that
+    # inductor cannot keep, and dynamo traces every graph a second time to specialise them (two thirds of the time
+    # a process takes to compile with inductor's cache warm)
+    torch._dynamo.config.specialize_float = True
     # no guards on the modules' attributes: checking every module's hooks, types and flags costs about a millisecond
     # a forward on a 30-layer model, and a loaded target's modules do not change. Safe because each compiled
     # function has a code object, so a cache of graphs, of its own (``_own_code``)
@@ -204,6 +209,8 @@ class CapturedForward:
         # a refined head (``core.head``) runs after the graph, eager: inside one it would be the plain fp32 product,
         # which costs a tree verify's rows several times what the refined head does
         self.head = plain.head if self.split and refined(model) else None
+        if device.type == "cpu":
+            register(model)  # its packed layers' calls in C++ where the rows extension loads (``core.packing``)
         if self.head is not None:
             plain = decoder_then_head(model, head_inside=False)
         self._fn = compile_forward(plain if self.split else model.forward, device, self.graphs)

@@ -83,22 +83,31 @@ def groupable(modules: list[torch.nn.Linear]) -> bool:
                for m in modules)
 
 
+def _operators() -> dict:
+    """A layer's operator -> its group's: the Python ones, and the C++ ones where the rows extension is loaded
+    (``packing.register``)."""
+    ops = {torch.ops.specviz.packed_linear.default: torch.ops.specviz.packed_group.default}
+    if hasattr(torch.ops.specviz_rows, "layer"):
+        ops[torch.ops.specviz_rows.layer.default] = torch.ops.specviz_rows.group.default
+    return ops
+
+
 def group_packed_linears(graph: torch.fx.Graph) -> int:
-    """Replace the ``specviz::packed_linear`` calls of ``graph`` that share their input by one
-    ``specviz::packed_group`` call and a slice per layer. Returns how many groups it made."""
-    single = torch.ops.specviz.packed_linear.default
-    by_input: dict[torch.fx.Node, list[torch.fx.Node]] = defaultdict(list)
+    """Replace the packed layers' calls of ``graph`` (``specviz::packed_linear`` or ``specviz_rows::layer``) that
+    share their input by one call of the group's operator and a slice per layer. Returns how many groups it made."""
+    operators = _operators()
+    by_input: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is single:
-            by_input[node.args[0]].append(node)
+        if node.op == "call_function" and node.target in operators:
+            by_input[node.args[0], node.target].append(node)
     made = 0
-    for x, nodes in by_input.items():
+    for (x, single), nodes in by_input.items():
         layers = [node.args[1] for node in nodes]
         if len(nodes) < 2 or not groupable(_layers(layers)):
             continue
         fake = x.meta["val"]
         with graph.inserting_before(nodes[0]):  # x is defined before its first reader
-            group = graph.call_function(torch.ops.specviz.packed_group.default, (x, layers))
+            group = graph.call_function(operators[single], (x, layers))
             with fake.fake_mode:
                 group.meta["val"] = _packed_group_fake(fake, layers)
             start, pieces = 0, []

@@ -38,6 +38,7 @@ from . import rows
 _ATTR = "_specviz_packed"  # a module's packed weight
 _FORWARD = "_specviz_forward"  # the function its forward runs on it (``install``)
 _PLAIN_ROWS = "_specviz_plain_rows"
+_REGISTERED = "_specviz_registered"  # whether the rows extension's C++ operators know the layer (``register``)
 _HANDLE = "_specviz_handle"  # a packed module's number for ``specviz::packed_linear``
 _MODULES: dict[int, weakref.ref] = {}  # number -> the packed module (weakly: a dropped model is not kept)
 _NUMBERS = itertools.count()
@@ -112,7 +113,10 @@ def number(module: torch.nn.Linear) -> int:
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if (torch.compiler.is_compiling() and not torch.is_grad_enabled()
             and not torch.is_autocast_enabled(x.device.type)):
-        return torch.ops.specviz.packed_linear(x, getattr(self, _HANDLE))
+        number = getattr(self, _HANDLE)
+        if getattr(self, _REGISTERED, False):  # the C++ operator (``register``); an attribute, which graphs do not
+            return torch.ops.specviz_rows.layer(x, number)  # guard on, where a global set's contents would be
+        return torch.ops.specviz.packed_linear(x, number)
     return linear(x, self.weight, self.bias, getattr(self, _ATTR), getattr(self, _PLAIN_ROWS, 0))
 
 
@@ -173,6 +177,41 @@ def set_plain_rows(model: torch.nn.Module, rows: int) -> None:
         raise ValueError(f"plain_rows must be at least 0, got {rows}")
     for module in packed_linears(model):
         setattr(module, _PLAIN_ROWS, rows)
+        if getattr(module, _REGISTERED, False):
+            torch.ops.specviz_rows.set_plain_rows(getattr(module, _HANDLE), rows)
+
+
+def register(model: torch.nn.Module) -> int:
+    """Give ``model``'s packed layers to the rows extension's C++ operators (``layers.cpp``), which compiled graphs
+    traced afterwards call instead of ``specviz::packed_linear``: the same kernel rule and products without a
+    Python call per layer. Each layer leaves the registry with its module. Returns how many are registered (0
+    where the extension is not available here: the graphs keep the Python operator)."""
+    if not rows.available():
+        return 0
+    _register_fakes()
+    count = 0
+    for module in packed_linears(model):
+        number = getattr(module, _HANDLE)
+        if not getattr(module, _REGISTERED, False):
+            bias = None if module.bias is None else module.bias.detach()
+            torch.ops.specviz_rows.register_layer(module.weight.detach(), getattr(module, _ATTR), bias, number,
+                                                  getattr(module, _PLAIN_ROWS, 0))
+            setattr(module, _REGISTERED, True)
+            weakref.finalize(module, torch.ops.specviz_rows.drop_layer, number)
+        count += 1
+    return count
+
+
+@functools.cache
+def _register_fakes() -> None:
+    """The C++ operators' shapes for tracing (once a process, after the extension loads)."""
+    torch.library.register_fake("specviz_rows::layer", _packed_linear_fake)
+    torch.library.register_fake("specviz_rows::group", _layers_fake)
+
+
+def _layers_fake(x: torch.Tensor, numbers: list[int]) -> torch.Tensor:
+    """The shape of packed layers ``numbers``' products side by side (a group's, ``core.grouping``)."""
+    return x.new_empty(*x.shape[:-1], sum(layer(n).out_features for n in numbers))
 
 
 def plain_rows_of(model: torch.nn.Module) -> int:

@@ -20,6 +20,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "rows.h"
+
 namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int V = Vec::size();
@@ -85,34 +87,52 @@ void rows(int64_t mb, const float* x, int64_t K, const float* w, int64_t n0, int
   }
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "specviz_rows::linear: shapes");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "specviz_rows::linear: fp32 only");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.size(1) % V == 0, "specviz_rows::linear: layout");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+}  // namespace
+
+// x [M, K] against the weights ws (each [N_i, K]) stacked along their rows, without stacking them: a decoder
+// layer's q, k and v (or gate and up) in one call. Each output is computed as ``linear`` computes it alone.
+at::Tensor specviz_rows_product(const at::Tensor& x, at::TensorList ws) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % V == 0,
+              "specviz_rows: x must be a contiguous fp32 [M, K] with K a multiple of ", V);
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<int64_t> first_tile{0}, first_col{0};  // per weight: its first tile and its first output column
+  for (const at::Tensor& w : ws) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.scalar_type() == at::kFloat && w.is_contiguous(),
+                "specviz_rows: every weight must be a contiguous fp32 [N, ", K, "]");
+    first_tile.push_back(first_tile.back() + (w.size(0) + TILE - 1) / TILE);
+    first_col.push_back(first_col.back() + w.size(0));
+  }
+  const int64_t N = first_col.back();
   at::Tensor out = at::empty({M, N}, x.options());
   const float* xp = x.const_data_ptr<float>();
-  const float* wp = w.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
-  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, first_tile.back(), 1, [&](int64_t t0, int64_t t1) {
+    size_t l = 0;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * TILE, n1 = std::min(N, n0 + TILE);
+      while (t >= first_tile[l + 1]) ++l;
+      const float* wp = ws[l].const_data_ptr<float>();
+      const int64_t n0 = (t - first_tile[l]) * TILE, n1 = std::min(ws[l].size(0), n0 + TILE);
+      float* ol = op + first_col[l];  // this weight's columns; rows stay N apart
       for (int64_t m = 0; m < M; m += 8) {  // the first row block streams the tile in, the others reuse it
         const int64_t mb = std::min<int64_t>(8, M - m);
-        if (m == 0) rows<true>(mb, xp, K, wp, n0, n1, op, N);
-        else rows<false>(mb, xp + m * K, K, wp, n0, n1, op + m * N, N);
+        if (m == 0) rows<true>(mb, xp, K, wp, n0, n1, ol, N);
+        else rows<false>(mb, xp + m * K, K, wp, n0, n1, ol + m * N, N);
       }
     }
   });
   return out;
 }
 
-int64_t width() { return V; }
+namespace {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w) { return specviz_rows_product(x, {w}); }
+
 }  // namespace
+
+int64_t specviz_rows_width() { return V; }
 
 TORCH_LIBRARY(specviz_rows, m) {
   m.def("linear(Tensor x, Tensor w) -> Tensor");
   m.def("width() -> int");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
-  m.impl("width", c10::DispatchKey::CatchAll, TORCH_FN(width));
+  m.impl("width", c10::DispatchKey::CatchAll, TORCH_FN(specviz_rows_width));
 }

@@ -12,6 +12,8 @@ Rules:
   runs the default kernels, so nothing breaks, it is only not faster.
 - ``fits`` is the kernel's own rule: fp32, on the CPU, contiguous, the inner size a multiple of the vector
   width, no autograd. The kernel rule (``core.kernels``) measures where it beats the packed kernels.
+- The same extension carries the packed layers' operators for compiled graphs (``layers.cpp``, registered by
+  ``core.packing.register``): the kernel rule run in C++, so a graph's layer calls pay no Python.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ from .cpu import cpu_flags, cpuinfo
 from .files import cache_dir, content_key
 
 SOURCE = Path(__file__).with_name("rows.cpp")
+# the extension's other sources: its header, and the packed layers' operators (``core.packing``)
+OTHERS = [Path(__file__).with_name(name) for name in ("rows.h", "layers.cpp")]
 _STATE: dict[str, object] = {}
 _LOCK = threading.Lock()  # one build and load a process, whichever thread asks first
 _width: int | None = None  # the kernel's vector width once loaded, 0 where it cannot be (``_load``)
 
 
 def _build_folder() -> Path:
-    key = content_key([SOURCE.read_text(), torch.__version__, cpuinfo("model name"), sorted(cpu_flags()),
-                       platform.python_version()])
+    key = content_key([SOURCE.read_text(), *(p.read_text() for p in OTHERS), torch.__version__,
+                       cpuinfo("model name"), sorted(cpu_flags()), platform.python_version()])
     return cache_dir() / "kernels" / f"rows-{key}"
 
 
@@ -57,8 +61,9 @@ def _build_and_load() -> int:
 
         folder = _build_folder()
         folder.mkdir(parents=True, exist_ok=True)
-        load(f"specviz_rows_{folder.name[5:]}", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-             build_directory=str(folder), is_python_module=False, verbose=False)
+        load(f"specviz_rows_{folder.name[5:]}", [str(SOURCE), str(OTHERS[1])],
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(folder), is_python_module=False,
+             verbose=False)
         return int(torch.ops.specviz_rows.width())
     except Exception as e:  # no compiler, no ninja, a failed build: the default kernels serve
         _STATE["reason"] = f"the rows kernel did not build: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}"

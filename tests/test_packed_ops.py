@@ -1,0 +1,88 @@
+"""The packed layers' C++ operators (``layers.cpp``, registered by ``core.packing.register``): each call follows the
+layer's kernel rule as its eager forward does, a group's columns are its layers' own products bit for bit, the
+kernel rule follows ``set_plain_rows``, a layer leaves the registry with its module, and the graph pass groups
+these operators as it groups the Python ones."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from specviz.core import grouping, rows
+from specviz.core.packing import number, pack, pack_linears, register, set_plain_rows
+
+pytestmark = pytest.mark.skipif(pack(torch.ones(2, 2)) is None, reason="this torch build cannot pack for oneDNN")
+
+
+def registered(shapes, dtype, bias, plain_rows, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleList(torch.nn.Linear(i, o, bias=bias) for i, o in shapes).to(dtype).eval()
+    pack_linears(model, plain_rows)
+    assert rows.available(), rows.unavailable()  # CI's machine and ours build it (``test_rows``)
+    assert register(model) == len(shapes)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_call_and_each_group_is_the_layers_own_eager_product(dtype, bias):
+    model = registered([(64, 40), (64, 24), (64, 32)], dtype, bias, plain_rows=4)
+    numbers = [number(m) for m in model]
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for m in (1, 3, 4, 5, 9, 20):  # plain up to 4 rows (the rows kernel in fp32), packed above
+            x = torch.randn(2, m, 64, generator=gen).to(dtype)
+            apart = [layer(x) for layer in model]  # the eager forwards (``packing.linear``'s rule)
+            for layer, n, want in zip(model, numbers, apart):
+                assert torch.equal(torch.ops.specviz_rows.layer(x, n), want), (m, n)
+            assert torch.equal(torch.ops.specviz_rows.group(x, numbers), torch.cat(apart, -1)), m
+
+
+def test_the_rule_follows_set_plain_rows():
+    model = registered([(64, 48)], torch.float32, bias=True, plain_rows=0)
+    x, n = torch.randn(3, 64), number(model[0])
+    with torch.inference_mode():
+        plain = rows.linear(x, model[0].weight, model[0].bias)
+        packed = model[0](x)
+        assert torch.equal(torch.ops.specviz_rows.layer(x, n), packed)
+        set_plain_rows(model, 8)
+        assert torch.equal(torch.ops.specviz_rows.layer(x, n), plain)
+    assert not torch.equal(plain, packed)  # the two kernels differ in the last bits here, so the rule was seen
+
+
+def test_a_layer_leaves_the_registry_with_its_module():
+    gc.collect()  # the earlier tests' models
+    before = torch.ops.specviz_rows.registered()
+    model = registered([(32, 16), (32, 16)], torch.float32, bias=False, plain_rows=0)
+    n = number(model[0])
+    assert torch.ops.specviz_rows.registered() == before + 2
+    assert register(model) == 2 and torch.ops.specviz_rows.registered() == before + 2  # once each
+    del model
+    gc.collect()
+    assert torch.ops.specviz_rows.registered() == before
+    with pytest.raises(RuntimeError, match=f"packed layer {n} is not registered"):
+        torch.ops.specviz_rows.layer(torch.randn(1, 32), n)
+
+
+def test_the_graph_pass_groups_the_cpp_operators():
+    model = registered([(24, 24), (24, 8), (24, 8), (24, 24)], torch.float32, bias=False, plain_rows=2)
+    numbers = [number(m) for m in model]
+
+    def forward(x):  # q, k and v read x; o reads q's output
+        outs = [torch.ops.specviz_rows.layer(x, n) for n in numbers[:-1]]
+        return (*outs, torch.ops.specviz_rows.layer(outs[0], numbers[-1]))
+
+    for m in (1, 3):
+        x = torch.randn(1, m, 24)
+        graph_module = make_fx(forward, tracing_mode="fake")(x)
+        with torch.inference_mode():
+            apart = graph_module(x)
+            assert grouping.group_packed_linears(graph_module.graph) == 1
+            graph_module.recompile()
+            together = graph_module(x)
+        targets = [str(node.target) for node in graph_module.graph.nodes]
+        assert targets.count("specviz_rows.group.default") == 1 and targets.count("specviz_rows.layer.default") == 1
+        assert all(torch.equal(got, want) for got, want in zip(together, apart))
