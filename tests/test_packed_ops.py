@@ -86,3 +86,19 @@ def test_the_graph_pass_groups_the_cpp_operators():
         targets = [str(node.target) for node in graph_module.graph.nodes]
         assert targets.count("specviz_rows.group.default") == 1 and targets.count("specviz_rows.layer.default") == 1
         assert all(torch.equal(got, want) for got, want in zip(together, apart))
+
+
+def test_a_copy_of_a_registered_layer_packed_again_is_registered_anew():
+    """A deep copy carries the layer's attributes; packed again it has a number of its own, which the registry does
+    not know until ``register`` gives it (a graph traced before that keeps the Python operator)."""
+    from specviz.core.packing import plain_copy
+
+    model = registered([(32, 16)], torch.float32, bias=True, plain_rows=0)
+    twin = plain_copy(model)  # a deep copy without the packed weights (one to train, say)
+    assert twin[0]._specviz_registered  # carried over with the module's attributes
+    pack_linears(twin)
+    assert number(twin[0]) != number(model[0]) and not twin[0]._specviz_registered
+    assert register(twin) == 1
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        assert torch.equal(torch.ops.specviz_rows.layer(x, number(twin[0])), twin[0](x))

@@ -151,6 +151,7 @@ def install(module: torch.nn.Module, packed: torch.Tensor, forward) -> None:
     number = next(_NUMBERS)
     _MODULES[number] = weakref.ref(module, lambda _ref, n=number: _MODULES.pop(n, None))
     setattr(module, _HANDLE, number)
+    setattr(module, _REGISTERED, False)  # a new number (a copy of a registered layer, packed again): not yet known
     module.forward = types.MethodType(forward, module)
 
 
