@@ -211,8 +211,6 @@ class CapturedForward:
         # a refined head (``core.head``) runs after the graph, eager: inside one it would be the plain fp32 product,
         # which costs a tree verify's rows several times what the refined head does
         self.head = plain.head if self.split and refined(model) else None
-        if device.type == "cpu":
-            register(model)  # its packed layers' calls in C++ where the rows extension loads (``core.packing``)
         if self.head is not None:
             plain = decoder_then_head(model, head_inside=False)
         self._fn = compile_forward(plain if self.split else model.forward, device, self.graphs)
@@ -253,6 +251,8 @@ class CapturedForward:
 
         start = time.perf_counter()
         try:
+            if target.device.type == "cpu":  # before tracing, here (on the compile thread: a first build takes seconds)
+                register(target.model)  # its packed layers' calls in C++ where the rows extension loads
             cache = target.new_cache(64, static=self.graphs)
             target.prefill(list(range(1, 9)), cache)  # eager: allocates the buffers the graphs write into
             for n in sizes:

@@ -63,14 +63,10 @@ def _packed_group_op(x: torch.Tensor, layers: list[int]) -> torch.Tensor:
     return rows.linear(x, dense, bias)
 
 
-def _packed_group_fake(x: torch.Tensor, layers: list[int]) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], sum(m.out_features for m in _layers(layers)))
-
-
 _LIBRARY = torch.library.Library("specviz", "FRAGMENT")
 _LIBRARY.define("packed_group(Tensor x, int[] layers) -> Tensor")
 _LIBRARY.impl("packed_group", _packed_group_op, "CPU")
-torch.library.register_fake("specviz::packed_group", _packed_group_fake, lib=_LIBRARY)
+torch.library.register_fake("specviz::packed_group", packing.layers_fake, lib=_LIBRARY)
 
 
 def groupable(modules: list[torch.nn.Linear]) -> bool:
@@ -109,7 +105,7 @@ def group_packed_linears(graph: torch.fx.Graph) -> int:
         with graph.inserting_before(nodes[0]):  # x is defined before its first reader
             group = graph.call_function(operators[single], (x, layers))
             with fake.fake_mode:
-                group.meta["val"] = _packed_group_fake(fake, layers)
+                group.meta["val"] = packing.layers_fake(fake, layers)
             start, pieces = 0, []
             for node in nodes:
                 width = node.meta["val"].shape[-1]

@@ -209,11 +209,12 @@ def register(model: torch.nn.Module) -> int:
 def _register_fakes() -> None:
     """The C++ operators' shapes for tracing (once a process, after the extension loads)."""
     torch.library.register_fake("specviz_rows::layer", _packed_linear_fake)
-    torch.library.register_fake("specviz_rows::group", _layers_fake)
+    torch.library.register_fake("specviz_rows::group", layers_fake)
 
 
-def _layers_fake(x: torch.Tensor, numbers: list[int]) -> torch.Tensor:
-    """The shape of packed layers ``numbers``' products side by side (a group's, ``core.grouping``)."""
+def layers_fake(x: torch.Tensor, numbers: list[int]) -> torch.Tensor:
+    """The shape of packed layers ``numbers``' products side by side (a group's, ``core.grouping``): both group
+    operators' fake implementation."""
     return x.new_empty(*x.shape[:-1], sum(layer(n).out_features for n in numbers))
 
 
