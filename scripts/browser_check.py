@@ -97,19 +97,22 @@ def set_slider(page, elem_id: str, value: int) -> None:
     number.press("Enter")
 
 
+# the step number the step-through view shows (-1 while it shows none)
+SHOWN_STEP = "(() => { const m = document.querySelector('#step-info').innerText.match(/· step (\\d+)/);" \
+             " return m ? +m[1] : -1; })()"
+
+
 def go_to_most_accepted_step(page, method: str, timeout: float) -> str:
     """Walk the step-through view with the arrow keys to the step whose accepted drafts (counted from the
     method's column, whose spans carry their step) are the most."""
     titles = page.locator(f"{col(method)} .sv-acc").evaluate_all("spans => spans.map(s => s.title)")
     counts = Counter(int(re.match(r"step (\d+)", t)[1]) for t in titles)
     goal = max(counts, key=lambda step: (counts[step], -step)) if counts else 1
-    shown = "(() => { const m = document.querySelector('#step-info').innerText.match(/· step (\\d+)/);" \
-            " return m ? +m[1] : -1; })()"
     for _ in range(500):
-        if (step := page.evaluate(shown)) == goal:
+        if (step := page.evaluate(SHOWN_STEP)) == goal:
             break
         page.keyboard.press("ArrowRight" if step < goal else "ArrowLeft")
-        page.wait_for_function(f"{shown} !== {step}", timeout=timeout)
+        page.wait_for_function(f"{SHOWN_STEP} !== {step}", timeout=timeout)
     return page.locator("#step-info").inner_text().split("\n")[0]
 
 
@@ -281,10 +284,15 @@ def main() -> None:
                                    timeout=timeout)
             first = page.locator("#step-info").inner_text()
             page.locator("h1").first.click()  # focus off the inputs: the arrow keys walk the steps
-            page.keyboard.press("ArrowRight")
-            page.wait_for_function(f"!document.querySelector('#step-info').innerText.includes({json.dumps(first[:60])})"
-                                   f" || document.querySelector('#step-info').innerText !== {json.dumps(first)}",
-                                   timeout=timeout)
+            step = page.evaluate(SHOWN_STEP)
+            for attempt in range(5):  # a key pressed while the view still updates can be dropped: press again
+                page.keyboard.press("ArrowRight")
+                try:  # the step number, not the text: the text also changes while the view updates
+                    page.wait_for_function(f"{SHOWN_STEP} > {step}", timeout=timeout / 5)
+                    break
+                except PlaywrightTimeout:
+                    if attempt == 4:
+                        raise
             seen["steps"][m] = [first, page.locator("#step-info").inner_text()]
         if args.shots:
             seen["shots"] = take_shots(page, args.shots, args.step_through.split(",")[0], timeout)
