@@ -22,6 +22,7 @@ from drafters.captured import capture_drafters
 from specviz.core.capture import REVISION as CAPTURE_REVISION
 from specviz.core.cpu import cpu_flags, cpuinfo
 from specviz.core.files import content_key
+from specviz.core.rows import REVISION as ROWS_REVISION
 from specviz.core.target import TargetModel
 
 # the CPU features a tuned budget depends on: the bf16 and vector kernels torch picks from them
@@ -66,6 +67,8 @@ def machine_key(target: TargetModel) -> str:
     cpu = [cpuinfo("model name"), sorted(cpu_flags() & TUNING_FLAGS)] if on_cpu else []
     facts = [machine_description(), *cpu, target.name, str(target.dtype), str(target.device), target.num_parameters,
              target.kernels]
+    if target.plain_rows:  # the rows kernel's speed (``core.rows``)
+        facts.append(f"rows r{ROWS_REVISION}")
     attention = getattr(target.config, "_attn_implementation", None)
     if attention not in (None, "sdpa"):  # a verify's cost turns on it (``core.attention``); SDPA's keys stay
         facts.append(attention)

@@ -29,6 +29,8 @@ from .cpu import cpu_flags, cpuinfo
 from .files import cache_dir, content_key
 
 SOURCE = Path(__file__).with_name("rows.cpp")
+REVISION = 2  # of the kernel's speed: in the tuner's key (``apps.machine``), so costs measured on an older one are
+# measured again (its results never change: every revision computes each output the same way)
 # the extension's other sources: its header, and the packed layers' operators (``core.packing``)
 OTHERS = [Path(__file__).with_name(name) for name in ("rows.h", "layers.cpp")]
 _STATE: dict[str, object] = {}
