@@ -65,9 +65,9 @@ inline void block(const float* x, int64_t K, const float* w, float* out, int64_t
 }
 
 // MB rows of x against weight rows [n0, n1): NB at a time while the registers hold their accumulators (NB x MB
-// of them, MB x vectors and a weight vector). More weight rows a block amortise the x loads: with 32 vector
-// registers, 4 rows for up to 4 x rows made a product of 3-4 rows about a twentieth cheaper than 2. NB only
-// groups whole outputs, so no output's arithmetic depends on it.
+// of them, MB x vectors and a weight vector). More weight rows a block amortise the x loads, so AVX-512's 32
+// vector registers take 4 for up to 4 x rows (3 for 5-6 measured no faster than 2). NB only groups whole
+// outputs, so no output's arithmetic depends on it.
 template <int MB, bool PF>
 void panel(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out, int64_t N) {
   constexpr int NB = MB <= 2 || (V == 16 && MB <= 4) ? 4 : (V == 16 || MB <= 4) ? 2 : 1;
