@@ -9,70 +9,74 @@
 // instructions for every M, so a row's result does not depend on the rows beside it (a verify's logits are a
 // one-token forward's, bit for bit). Requires contiguous fp32 x and w with K a multiple of the vector width;
 // the caller (core/rows.py) checks and falls back to the default kernels otherwise.
-#if defined(__AVX512F__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__)
-#define CPU_CAPABILITY_AVX2
-#endif
+#include <immintrin.h>
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "rows.h"
 
 namespace {
-using Vec = at::vec::Vectorized<float>;
-constexpr int V = Vec::size();
-constexpr int PREFETCH_BLOCKS = 1;  // prefetch the weight rows this many blocks ahead (into L1)
-constexpr int64_t TILE = 32;        // weight rows per task; a task's later row blocks read them from cache
-
-// the lanes summed by halves: (l, l + V/2), then (l, l + V/4), ...
-inline float hsum(const Vec& v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_reduce_add_ps(v);
-#elif defined(CPU_CAPABILITY_AVX2)
+// The vector type itself, not ATen's Vectorized wrapper: GCC kept arrays of the wrapper's accumulators on the
+// stack (a load and a store beside every FMA) once a block had more than 16 of them. The build needs AVX2 and FMA
+// (core/rows.py), and -march=native picks AVX-512 where the CPU has it.
+#if defined(__AVX512F__)
+using Reg = __m512;
+inline Reg load(const float* p) { return _mm512_loadu_ps(p); }
+inline Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+inline Reg zero() { return _mm512_setzero_ps(); }
+inline float hsum(Reg v) { return _mm512_reduce_add_ps(v); }  // the lanes summed by halves, as below
+#else
+using Reg = __m256;
+inline Reg load(const float* p) { return _mm256_loadu_ps(p); }
+inline Reg fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+inline Reg zero() { return _mm256_setzero_ps(); }
+// the lanes summed by halves: (l, l + 4), then (l, l + 2), then (l, l + 1)
+inline float hsum(Reg v) {
   __m128 h = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-#else
-  float buf[V];
-  v.store(buf);
-  for (int s = V / 2; s >= 1; s /= 2)
-    for (int l = 0; l < s; ++l) buf[l] += buf[l + s];
-  return buf[0];
-#endif
 }
+#endif
+constexpr int V = sizeof(Reg) / sizeof(float);
+constexpr int PREFETCH_BLOCKS = 1;  // prefetch the weight rows this many blocks ahead (into L1)
+constexpr int64_t TILE = 32;        // weight rows per task; a task's later row blocks read them from cache
 
 // MB rows of x against NB weight rows: out[j, i] = sum_k x[j, k] w[i, k]
 template <int MB, int NB, bool PF>
 inline void block(const float* x, int64_t K, const float* w, float* out, int64_t N) {
-  Vec acc[NB][MB];
+  Reg acc[NB][MB];
   for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MB; ++j) acc[i][j] = Vec(0.f);
+    for (int j = 0; j < MB; ++j) acc[i][j] = zero();
   for (int64_t k = 0; k < K; k += V) {
-    Vec xv[MB];
-    for (int j = 0; j < MB; ++j) xv[j] = Vec::loadu(x + j * K + k);
+    Reg xv[MB];
+    for (int j = 0; j < MB; ++j) xv[j] = load(x + j * K + k);
     for (int i = 0; i < NB; ++i) {
       if (PF) __builtin_prefetch(w + (i + NB * PREFETCH_BLOCKS) * K + k, 0, 3);
-      Vec wv = Vec::loadu(w + i * K + k);
-      for (int j = 0; j < MB; ++j) acc[i][j] = at::vec::fmadd(wv, xv[j], acc[i][j]);
+      Reg wv = load(w + i * K + k);
+      for (int j = 0; j < MB; ++j) acc[i][j] = fma(wv, xv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) out[j * N + i] = hsum(acc[i][j]);
 }
 
-// MB rows of x against weight rows [n0, n1): NB at a time while the registers hold their accumulators (NB x MB
-// of them, MB x vectors and a weight vector). More weight rows a block amortise the x loads, so AVX-512's 32
-// vector registers take 4 for up to 4 x rows (3 for 5-6 measured no faster than 2). NB only groups whole
-// outputs, so no output's arithmetic depends on it.
+// MB rows of x against weight rows [n0, n1), NB weight rows a block, whose accumulators (NB x G of them) stay in
+// registers. AVX-512's 32 registers take 4 weight rows for up to 6 x rows (with 2, as before, a block of 5-8 rows
+// did half the arithmetic a cycle), and 7-8 x rows run as two groups over each block (6, then the rest), the
+// second reading the block from L1. NB and the groups only gather whole outputs, so no output's arithmetic
+// depends on them.
 template <int MB, bool PF>
 void panel(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out, int64_t N) {
-  constexpr int NB = MB <= 2 || (V == 16 && MB <= 4) ? 4 : (V == 16 || MB <= 4) ? 2 : 1;
+  constexpr int NB = V == 16 ? 4 : MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
+  constexpr int G = V == 16 && MB > 6 ? 6 : MB;  // the first group's x rows
   int64_t n = n0;
-  for (; n + NB <= n1; n += NB) block<MB, NB, PF>(x, K, w + n * K, out + n, N);
+  for (; n + NB <= n1; n += NB) {
+    block<G, NB, PF>(x, K, w + n * K, out + n, N);
+    if constexpr (G < MB) block<MB - G, NB, false>(x + G * K, K, w + n * K, out + G * N + n, N);
+  }
   for (; n < n1; ++n) block<MB, 1, false>(x, K, w + n * K, out + n, N);
 }
 
