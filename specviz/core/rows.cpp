@@ -2,8 +2,9 @@
 //
 // Why: a decode product streams the whole weight for a handful of rows. The default kernels (MKL) and oneDNN's
 // packed ones reach the memory floor at one row, but from four rows they cost a third to a half more, so a tree
-// verify pays for rows it barely computes on. Here each weight row is read once for all M rows (up to 8 at a
-// time, from L1 after the first), with the next rows prefetched, so the product stays near the floor longer.
+// verify pays for rows it barely computes on. Here each weight row is read from memory once for all M rows (a
+// group of them at a time, the later groups from L1), with the next rows prefetched, so the product stays near
+// the floor longer.
 //
 // Rules: each output is one vector accumulator over k in order, its lanes summed by halves (hsum); the same
 // instructions for every M, so a row's result does not depend on the rows beside it (a verify's logits are a
@@ -42,7 +43,7 @@ inline float hsum(Reg v) {
 #endif
 constexpr int V = sizeof(Reg) / sizeof(float);
 constexpr int PREFETCH_BLOCKS = 1;  // prefetch the weight rows this many blocks ahead (into L1)
-constexpr int64_t TILE = 32;        // weight rows per task; a task's later row blocks read them from cache
+constexpr int64_t TILE = 32;        // weight rows per parallel task
 
 // MB rows of x against NB weight rows: out[j, i] = sum_k x[j, k] w[i, k]
 template <int MB, int NB, bool PF>
@@ -63,35 +64,37 @@ inline void block(const float* x, int64_t K, const float* w, float* out, int64_t
     for (int j = 0; j < MB; ++j) out[j * N + i] = hsum(acc[i][j]);
 }
 
-// MB rows of x against weight rows [n0, n1), NB weight rows a block, whose accumulators (NB x G of them) stay in
-// registers. AVX-512's 32 registers take 4 weight rows for up to 6 x rows (with 2, as before, a block of 5-8 rows
-// did half the arithmetic a cycle), and 7-8 x rows run as two groups over each block (6, then the rest), the
-// second reading the block from L1. NB and the groups only gather whole outputs, so no output's arithmetic
-// depends on them.
-template <int MB, bool PF>
-void panel(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out, int64_t N) {
-  constexpr int NB = V == 16 ? 4 : MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
-  constexpr int G = V == 16 && MB > 6 ? 6 : MB;  // the first group's x rows
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) {
-    block<G, NB, PF>(x, K, w + n * K, out + n, N);
-    if constexpr (G < MB) block<MB - G, NB, false>(x + G * K, K, w + n * K, out + G * N + n, N);
-  }
-  for (; n < n1; ++n) block<MB, 1, false>(x, K, w + n * K, out + n, N);
+// block<g, NB, PF> for a group of 1 <= g <= G x rows
+template <int NB, bool PF, int G>
+void group(int64_t g, const float* x, int64_t K, const float* w, float* out, int64_t N) {
+  if constexpr (G > 1)
+    if (g < G) return group<NB, PF, G - 1>(g, x, K, w, out, N);
+  block<G, NB, PF>(x, K, w, out, N);
 }
 
-template <bool PF>
-void rows(int64_t mb, const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out, int64_t N) {
-  switch (mb) {
-    case 1: return panel<1, PF>(x, K, w, n0, n1, out, N);
-    case 2: return panel<2, PF>(x, K, w, n0, n1, out, N);
-    case 3: return panel<3, PF>(x, K, w, n0, n1, out, N);
-    case 4: return panel<4, PF>(x, K, w, n0, n1, out, N);
-    case 5: return panel<5, PF>(x, K, w, n0, n1, out, N);
-    case 6: return panel<6, PF>(x, K, w, n0, n1, out, N);
-    case 7: return panel<7, PF>(x, K, w, n0, n1, out, N);
-    default: return panel<8, PF>(x, K, w, n0, n1, out, N);
+// M rows of x against weight rows [n0, n1), NB weight rows a block, whose accumulators (NB x G) stay in
+// registers. Each block streams in from memory with the first group of x rows (up to G) and is read from L1 by
+// the later ones. AVX-512's 32 registers take 4 weight rows and groups of 6 (with 2 weight rows, as before, a
+// block of 5-8 x rows did half the arithmetic a cycle); AVX2's 16 take groups of 8 with 4, 2 or 1 weight rows.
+// NB and the groups only gather whole outputs, so no output's arithmetic depends on them.
+template <int NB, int G>
+void panel(int64_t M, const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out, int64_t N) {
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) {
+    group<NB, true, G>(std::min<int64_t>(G, M), x, K, w + n * K, out + n, N);
+    for (int64_t m = G; m < M; m += G)
+      group<NB, false, G>(std::min<int64_t>(G, M - m), x + m * K, K, w + n * K, out + m * N + n, N);
   }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; m += G)
+      group<1, false, G>(std::min<int64_t>(G, M - m), x + m * K, K, w + n * K, out + m * N + n, N);
+}
+
+void rows(int64_t M, const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out, int64_t N) {
+  if constexpr (V == 16) return panel<4, 6>(M, x, K, w, n0, n1, out, N);
+  if (M <= 2) return panel<4, 8>(M, x, K, w, n0, n1, out, N);
+  if (M <= 4) return panel<2, 8>(M, x, K, w, n0, n1, out, N);
+  panel<1, 8>(M, x, K, w, n0, n1, out, N);
 }
 
 }  // namespace
@@ -120,11 +123,7 @@ at::Tensor specviz_rows_product(const at::Tensor& x, at::TensorList ws) {
       const float* wp = ws[l].const_data_ptr<float>();
       const int64_t n0 = (t - first_tile[l]) * TILE, n1 = std::min(ws[l].size(0), n0 + TILE);
       float* ol = op + first_col[l];  // this weight's columns; rows stay N apart
-      for (int64_t m = 0; m < M; m += 8) {  // the first row block streams the tile in, the others reuse it
-        const int64_t mb = std::min<int64_t>(8, M - m);
-        if (m == 0) rows<true>(mb, xp, K, wp, n0, n1, ol, N);
-        else rows<false>(mb, xp + m * K, K, wp, n0, n1, ol + m * N, N);
-      }
+      rows(M, xp, K, wp, n0, n1, ol, N);
     }
   });
   return out;
