@@ -36,3 +36,27 @@ def test_a_tiny_targets_forward_splits_into_its_parts(tiny_target, pack):
         assert row["matrix_ms"] > 0 and row["attention_ms"] > 0 and row["other_ms"] > 0 and row["outside_ms"] >= 0
         parts = row["matrix_ms"] + row["attention_ms"] + row["other_ms"] + row["outside_ms"]
         assert parts >= row["wall_ms"] - 1e-9 and row["x_matrix"] == pytest.approx(row["wall_ms"] / row["matrix_ms"])
+
+
+def test_attention_hidden_in_a_compiled_graph_is_not_reported_as_zero():
+    """A graph whose C++ wrapper calls attention directly shows no attention operator: the split says it did not see
+    it (None, printed as –) rather than reporting 0 ms, and its time stays in the graph's own (other)."""
+    import torch
+
+    from specviz.apps.opsplit import split, split_text
+
+    a = torch.randn(64, 64)
+
+    def graph():
+        with torch.profiler.record_function("## Call CompiledFxGraph abc ##"):
+            torch.tanh(a @ a)
+
+    row = split(graph, tokens=1, wall_ms=1.0, device=torch.device("cpu"), repeats=2)
+    assert row.attention_ms is None and row.matrix_ms > 0 and row.other_ms > 0
+    assert "attention     –" in split_text([row]) and "counted in other operators" in split_text([row])
+
+    def eager():
+        q = torch.randn(1, 2, 4, 8)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    assert split(eager, tokens=1, wall_ms=1.0, device=torch.device("cpu"), repeats=2).attention_ms > 0
