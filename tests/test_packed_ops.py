@@ -1,7 +1,8 @@
 """The packed layers' C++ operators (``layers.cpp``, registered by ``core.packing.register``): each call follows the
 layer's kernel rule as its eager forward does, a group's columns are its layers' own products bit for bit, the
 kernel rule follows ``set_plain_rows``, a layer leaves the registry with its module, and the graph pass groups
-these operators as it groups the Python ones."""
+these operators as it groups the Python ones; where the extension is missing, a compiled graph calls the Python
+operators."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from drafters import build_drafter
 from specviz.core import grouping, rows
+from specviz.core.engine import run
+from specviz.core.load import prepare
 from specviz.core.packing import number, pack, pack_linears, register, set_plain_rows
+from specviz.core.target import TargetModel
 
 pytestmark = pytest.mark.skipif(pack(torch.ones(2, 2)) is None, reason="this torch build cannot pack for oneDNN")
 
@@ -102,3 +107,20 @@ def test_a_copy_of_a_registered_layer_packed_again_is_registered_anew():
     x = torch.randn(3, 32)
     with torch.inference_mode():
         assert torch.equal(torch.ops.specviz_rows.layer(x, number(twin[0])), twin[0](x))
+
+
+def test_without_the_rows_extension_the_graph_calls_the_python_layer_operators(tiny_llama, ref_greedy, monkeypatch):
+    """Where the rows extension cannot load, the packed layers stay Python operators (``specviz::packed_linear`` /
+    ``packed_group``) in the graph, which inductor's C++ wrapper calls through the dispatcher: still plain greedy."""
+    from torch.profiler import profile
+
+    monkeypatch.setattr(rows, "_width", 0)  # as where it did not build: ``rows.available()`` is False
+    target = TargetModel(prepare(tiny_llama(vocab_size=64, seed=5, max_positions=320), pack=True))
+    assert target.use_engine("compiled").path == "compiled"
+    prompt = [2, 9, 4, 4, 1, 30, 17, 8, 8, 21, 5]
+    with profile() as prof:
+        output = run(target, build_drafter("pld", target, num_tokens=3), prompt + prompt, 24).output_ids
+    assert output == ref_greedy(target.model, prompt + prompt, 24)
+    names = {e.key for e in prof.key_averages()}
+    assert {"specviz::packed_linear", "specviz::packed_group"} & names
+    assert not any(name.startswith("specviz_rows::") for name in names)
