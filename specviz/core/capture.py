@@ -7,7 +7,7 @@ pays for the model's arithmetic rather than for Python and one kernel launch per
   Without freezing (weights as constants, which inductor's cache does not keep), a compiled graph is cached
   between processes: a second process only traces its graphs (dynamo keeps no cache), well under a minute
   where the first compile takes minutes. Each packed layer is a C++ operator where the rows extension loads
-  (``core.packing.register``), else a Python one.
+  (``core.packing.register``), else a Python one. The graph's wrapper is C++ too (``cpp_wrapper``).
 - **CUDA**: inductor's fused kernels replayed as CUDA graphs, one launch a forward. A CUDA graph is recorded per
   shape, so the forward runs in the **whole-buffer layout** (gpt-fast's): the new rows are written at slot
   tensors and attention reads the cache's whole buffer under a mask that hides the rows past the live ones
