@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from specviz.apps.opsplit import kind
+from specviz.apps.opsplit import kind, split, split_text
 from specviz.apps.profile import profile
 from specviz.core.packing import pack_linears
 
@@ -41,10 +42,6 @@ def test_a_tiny_targets_forward_splits_into_its_parts(tiny_target, pack):
 def test_attention_hidden_in_a_compiled_graph_is_not_reported_as_zero():
     """A graph whose C++ wrapper calls attention directly shows no attention operator: the split says it did not see
     it (None, printed as –) rather than reporting 0 ms, and its time stays in the graph's own (other)."""
-    import torch
-
-    from specviz.apps.opsplit import split, split_text
-
     a = torch.randn(64, 64)
 
     def graph():

@@ -91,10 +91,13 @@ void panel(int64_t M, const float* x, int64_t K, const float* w, int64_t n0, int
 }
 
 void rows(int64_t M, const float* x, int64_t K, const float* w, int64_t n0, int64_t n1, float* out, int64_t N) {
-  if constexpr (V == 16) return panel<4, 6>(M, x, K, w, n0, n1, out, N);
+#if defined(__AVX512F__)
+  panel<4, 6>(M, x, K, w, n0, n1, out, N);
+#else
   if (M <= 2) return panel<4, 8>(M, x, K, w, n0, n1, out, N);
   if (M <= 4) return panel<2, 8>(M, x, K, w, n0, n1, out, N);
   panel<1, 8>(M, x, K, w, n0, n1, out, N);
+#endif
 }
 
 }  // namespace
