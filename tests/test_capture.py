@@ -1,7 +1,8 @@
 """core.capture: the compiled target forward, in both layouts (attention over the live rows, or over the whole buffer as
 CUDA graphs need it). Greedy output on it equals plain greedy decoding and the eager path's, for AR and for drafters
 that verify chains and trees; commits through it keep exactly the accepted rows; the
-target serves eager while it compiles and switches when ready; batches and unknown engines are handled as said.
+target serves eager while it compiles and switches when ready; prefills and unknown engines are handled as said
+(batches: ``test_capture_batch``).
 
 One tiny target is compiled once per module (a few seconds per graph on a small CPU)."""
 
@@ -273,8 +274,8 @@ def test_the_target_serves_eager_until_compiled(tiny_llama, ref_greedy):
     assert run(target, build_drafter("pld", target), prompt, 20).output_ids == ref_greedy(target.model, prompt, 20)
 
 
-def test_batches_and_prefills_stay_eager(pair):
-    """Only one sequence on a slab cache whose buffers exist takes the compiled path."""
+def test_prefills_stay_eager(pair):
+    """One sequence takes the compiled path on a slab cache whose buffers exist (batches: test_capture_batch)."""
     compiled, _ = pair
     fresh = compiled.new_cache(16)
     ids = torch.tensor([[1, 2, 3]])

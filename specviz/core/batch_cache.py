@@ -11,7 +11,10 @@ of every live row, as views: the caller's 4D mask (``core.batch``) hides from ea
 - ``keep(row, past, rows)`` moves the verify entries a row accepted into place after ``past`` and sets
   its length: O(accepted), whatever the context (a prefix needs no move);
 - ``drop(row)`` frees a finished sequence's row by moving the last live row into it (once, O(its context)),
-  so the live rows stay a prefix ``[0, active)`` and attention never reads a gathered copy.
+  so the live rows stay a prefix ``[0, active)`` and attention never reads a gathered copy;
+- ``planned(n, device)`` holds one forward's writes as data (each row's positions as a tensor, the rows attention
+  reads as one length), room made first: a compiled forward (``core.capture``) then traces no Python list of
+  lengths, whose every value and order it would otherwise guard on and compile again for.
 
 Invariant: rows ``[0, active)`` are live; row r's positions ``[0, lengths[r])`` are its committed sequence,
 in order; everything else is stale and never read. The buffers start at the batch's row count and the
@@ -20,6 +23,9 @@ capacity asked for, and double when a write goes past it (slower once, never wro
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
@@ -27,12 +33,23 @@ from transformers.cache_utils import DynamicLayer
 from .transfer import to_device
 
 
+@dataclass(frozen=True)
+class WritePlan:
+    """One forward's writes into every layer: row b's n new entries go to ``where[b]``, and attention reads each
+    live row's first ``end`` positions (the longest row's length plus n)."""
+
+    where: torch.Tensor  # [rows, n], long, on the cache's device
+    end: int
+
+
 class Rows:
-    """What every layer of one ``BatchSlabCache`` shares: how many rows are live and each one's length."""
+    """What every layer of one ``BatchSlabCache`` shares: how many rows are live, each one's length, and the write
+    plan of the forward under way where one was made (``BatchSlabCache.planned``)."""
 
     def __init__(self) -> None:
         self.lengths: list[int] = []
         self._where: tuple | None = None  # (lengths, n, device, index): one forward's write positions
+        self.plan: WritePlan | None = None
 
     @property
     def active(self) -> int:
@@ -75,6 +92,13 @@ class BatchSlabLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, n = key_states.shape[0], key_states.shape[2]
+        plan = self.rows.plan
+        if plan is not None:  # a planned forward: no lengths read, no growth (``BatchSlabCache.planned``)
+            which = torch.arange(b, device=self.device)[:, None]
+            self._keys[which, :, plan.where] = key_states.transpose(1, 2)
+            self._values[which, :, plan.where] = value_states.transpose(1, 2)
+            self.keys, self.values = self._keys[:b, :, : plan.end], self._values[:b, :, : plan.end]
+            return self.keys, self.values
         if b != self.rows.active:
             raise ValueError(f"a forward of {b} rows over a cache with {self.rows.active} live ones")
         starts = self.rows.lengths
@@ -164,3 +188,20 @@ class BatchSlabCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.rows.lengths, default=0)
+
+    @contextlib.contextmanager
+    def planned(self, n: int, device: torch.device):
+        """Inside the block, a forward of n new entries per live row writes by a plan made here (``WritePlan``):
+        every layer's buffers first grow to hold the rows and their entries with one to spare (so a view of the
+        live rows is never a whole buffer, which dynamo compiles apart), then the positions are one tensor."""
+        if not self.is_initialized:
+            raise ValueError("a planned forward needs buffers: the first rows arrive by adopt() or a forward")
+        end = self.get_seq_length() + n
+        for layer in self.layers:
+            if end >= layer.capacity or self.active > layer.batch:
+                layer._grow(max(self.active, layer.batch), max(end + 1, 2 * layer.capacity))
+        self.rows.plan = WritePlan(self.rows.where(n, device), end)
+        try:
+            yield
+        finally:
+            self.rows.plan = None

@@ -27,8 +27,12 @@ eagerly: the graph ends at the final norm. Inside a graph the head would be the 
 tree verify's rows several times more.
 
 Which forwards go through it (``TargetModel.forward_rows`` decides, per call): one sequence on a ``SlabCache``
-whose buffers exist. The prefill (once per decode, of any length), batches and other caches run eager: a graph
-for each would cost more compile time than it saves.
+whose buffers exist, and in the live-rows layout a batch on a ``BatchSlabCache`` (``core.batch``), whose rows'
+writes are planned outside the graph (``BatchSlabCache.planned``), so the batch size, the rows' lengths and
+their order compile nothing new after the first batch of each shape (one row, several). The prefill (once per
+decode, of any length) and other caches run eager: a graph for each would cost more compile time than it saves.
+In the whole-buffer layout batches stay eager: a CUDA graph records one shape, and a batch's rows have lengths of
+their own.
 
 Compiling takes minutes on a small CPU the first time, so it happens in ``warm`` (on a scratch cache, every graph
 the decode will ask for) and the target serves on the eager path until ``ready``; ``start`` runs ``warm`` on a
@@ -65,7 +69,7 @@ from .packing import register
 
 ENGINES = ("eager", "compiled", "auto")  # auto: compiled where torch.compile works here, else eager
 LAYOUTS = ("live", "buffer")  # what attention reads in a compiled forward: the live rows, or the whole buffer
-REVISION = 8  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
+REVISION = 9  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
 
 
 def capture_unsupported(device: torch.device) -> str:

@@ -30,6 +30,7 @@ import torch
 from transformers import Cache
 
 from . import rows
+from .batch_cache import BatchSlabCache
 from .cache import SlabCache
 from .cache import for_model as cache_for_model
 from .capture import (
@@ -222,10 +223,14 @@ class TargetModel:
         return view
 
     def _captured_for(self, ids: torch.Tensor, cache: Cache, captured: CapturedForward | None):
-        """The compiled forward to use for this call, or None: one sequence on a ``SlabCache`` whose buffers exist
-        (the prefill allocates them; it and batches stay eager, see ``core.capture``)."""
+        """The compiled forward to use for this call, or None: one sequence on a ``SlabCache``, or in the live-rows
+        layout a batch on a ``BatchSlabCache``, whose buffers exist (a prefill allocates them, and it stays eager;
+        see ``core.capture``)."""
         captured = captured or (self.captured if self.captured is not None and self.captured.ready else None)
-        if captured is None or ids.shape[0] != 1 or not isinstance(cache, SlabCache) or not cache.is_initialized:
+        if captured is None or not cache.is_initialized:
+            return None
+        one = ids.shape[0] == 1 and isinstance(cache, SlabCache)
+        if not one and not (isinstance(cache, BatchSlabCache) and captured.layout == "live"):
             return None
         if self.taps and captured.split:  # compiled before a drafter asked for more layers: eager has them
             return None
@@ -269,6 +274,10 @@ class TargetModel:
         """``forward_rows`` on the compiled forward ``run``; ``args`` on the device. No hook inside a graph: the
         last hidden state is the final norm's output."""
         n, device = args["input_ids"].shape[1], args["input_ids"].device
+        if isinstance(cache, BatchSlabCache):  # the live rows, each row's writes planned outside the graph
+            with cache.planned(n, device):
+                logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
+            return logits, self._features(feats, out)
         if run.layout != "buffer":
             cache.reserve(n)
             logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
