@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from specviz.apps.batch_results import BatchSweep
-from specviz.apps.batching import batch_sweep
+from specviz.apps.batching import batch_sweep, kept_sizes
 from specviz.apps.cli import main
 from specviz.apps.questions import load_questions
 from specviz.core.errors import SettingsError
@@ -52,6 +52,10 @@ def test_a_sweep_has_every_method_at_every_batch_size_beside_ar(target, tmp_path
     assert again == sweep
     table = again.markdown()
     assert "| method | batch 1 | batch 2 |" in table and f"| {look} |" in table and "(1.00×)" in table
+    assert sweep.engine == "eager" and "float32, eager forwards on" in table  # the path its forwards took
+    compiled = BatchSweep.from_dict({**sweep.to_dict(), "engine": "compiled"})
+    with pytest.raises(SettingsError, match="another engine"):  # a sweep on the other path is not resumed
+        kept_sizes(compiled, sweep, ["ar"])
 
 
 def test_the_command_writes_the_sweep_and_refuses_what_it_cannot_do(tiny_target_dir, tmp_path, capsys):

@@ -40,6 +40,7 @@ class BatchSweep:
     max_new_tokens: int
     sampling: dict
     points: list[BatchPoint] = field(default_factory=list)
+    engine: str = ""  # the path the target's forwards took ("eager", "compiled"; "": a sweep from before it was kept)
 
     def point(self, method: str, batch_size: int) -> BatchPoint | None:
         return next((p for p in self.points if p.method == method and p.batch_size == batch_size), None)
@@ -75,7 +76,9 @@ class BatchSweep:
         """Per method and batch size: throughput, its speedup over AR there, each sequence's speed and τ."""
         sizes = sorted({p.batch_size for p in self.points})
         methods = list(dict.fromkeys(p.method for p in self.points))
-        head = (f"{self.questions}, {self.max_new_tokens} new tokens, {self.dtype} on {self.machine}, {self.date}. "
+        engine = f", {self.engine} forwards" if self.engine else ""
+        head = (f"{self.questions}, {self.max_new_tokens} new tokens, {self.dtype}{engine} on {self.machine}, "
+                f"{self.date}. "
                 "Each cell: throughput in tok/s (× AR at the same batch size, the AR runs just before and after it "
                 "where measured) · one sequence's tok/s · τ.")
         rows = ["| method | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]

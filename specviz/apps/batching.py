@@ -91,7 +91,7 @@ def pooled(first: BatchPoint, again: BatchPoint) -> BatchPoint:
                    sequence_tok_s=round((first.sequence_tok_s * n + again.sequence_tok_s) / (n + 1), 2), runs=runs)
 
 
-RESUME_KEYS = ("target", "device", "dtype", "machine", "questions", "max_new_tokens", "sampling")
+RESUME_KEYS = ("target", "device", "dtype", "machine", "questions", "max_new_tokens", "sampling", "engine")
 
 
 def kept_sizes(done: BatchSweep, sweep: BatchSweep, labels: list[str]) -> set[int]:
@@ -124,7 +124,7 @@ def sweep_points(target: TargetModel, methods: list[str], questions: list[Questi
     prompts = [target.text.encode_chat(q.prompt) for q in questions]
     sweep = BatchSweep(target.name, str(target.device), str(target.dtype).replace("torch.", ""),
                        machine_description(), str(date.today()), f"{source or 'questions'} ({len(prompts)})",
-                       max_new_tokens, asdict(sampling))
+                       max_new_tokens, asdict(sampling), engine=target.engine.path)
     kept = kept_sizes(done, sweep, labels) & set(batch_sizes) if done is not None else set()
     sweep.points = [p for p in done.points if p.batch_size in kept and p.method in labels] if kept else []
     if kept >= set(batch_sizes):  # a finished sweep, resumed: nothing left to measure
