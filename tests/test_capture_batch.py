@@ -105,24 +105,26 @@ def test_every_sequence_of_a_compiled_batch_equals_its_own_decode(compiled, meth
         assert sum(accepted) > 0 and len(set(accepted)) > 1, accepted
 
 
-def test_batches_compile_a_few_graphs_then_none(compiled, ref_greedy):
-    """After a warm-up batch of chains and trees, other batch sizes, contexts and tree shapes (rows at unequal
-    lengths, a buffer that grows) compile nothing more: the plan keeps the rows' lengths out of the graph."""
+def test_warming_compiles_every_graph_a_batch_decode_meets(tiny_llama, ref_greedy):
+    """``warm_batches`` compiles a batch's graphs (several rows or one; one new entry a row or several); after it,
+    batches of other sizes, contexts and drafts (rows at unequal lengths, chains and trees, the batch shrinking
+    to one row as sequences end, a buffer that grows) compile nothing: the plan keeps the rows' lengths out of
+    the graph, so they are not guarded on."""
     from torch._dynamo.utils import counters
 
-    texts = prompts(6, seed=7)
-    reference = [ref_greedy(compiled.model, ids, 20) for ids in texts]
-    pld = build_drafter("pld", compiled, num_tokens=3)
-    run_batch(compiled, pld, texts[:3], 8, batch_size=3, stop_on_eos=False)  # one row, chains, several rows
-    tree = RandomTreeDrafter(texts[0], reference[0], seed=9, vocab=VOCAB)
-    run_batch(compiled, tree, texts[:1] * 2, 6, batch_size=2, stop_on_eos=False)  # tree masks
+    compiled = TargetModel(prepare(tiny_llama(vocab_size=VOCAB, seed=4, max_positions=320), pack=True))
+    assert compiled.use_engine("compiled", layout="live").path == "compiled"
+    compiled.warm_batches()
     before = counters["stats"]["unique_graphs"]
+    texts = prompts(6, seed=7)
+    limits = [20, 9, 14, 20, 3, 17]  # uneven: the batch shrinks to one row at the end
+    reference = [ref_greedy(compiled.model, ids, n) for ids, n in zip(texts, limits)]
+    tree = RandomTreeDrafter(texts[0], reference[0], seed=9, vocab=VOCAB)
+    assert output_ids(run_batch(compiled, tree, texts[:1], limits[0], stop_on_eos=False)[0]) == reference[0]
     for batch_size in (2, 4, 5):
-        records = run_batch(compiled, build_drafter("ar", compiled), texts, 20, batch_size=batch_size,
-                            stop_on_eos=False)
-        assert [output_ids(r) for r in records] == reference
-        records = run_batch(compiled, pld, texts, 20, batch_size=batch_size, stop_on_eos=False)
-        assert [output_ids(r) for r in records] == reference
+        for drafter in (build_drafter("ar", compiled), build_drafter("skip", compiled, layers=1, num_tokens=3)):
+            records = run_batch(compiled, drafter, texts, limits, batch_size=batch_size, stop_on_eos=False)
+            assert [output_ids(r) for r in records] == reference
     assert counters["stats"]["unique_graphs"] == before
     assert compiled.engine.path == "compiled", compiled.engine
 

@@ -27,6 +27,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
@@ -69,7 +70,9 @@ class BatchSlabLayer(DynamicLayer):
 
     def __init__(self, rows: Rows, batch: int, capacity: int):
         super().__init__()
-        self.rows, self.batch, self.capacity = rows, max(1, batch), max(1, capacity)
+        # two rows at least: a compiled forward specialises on a buffer of one row (a graph more to compile), and
+        # a cache for one sequence is what ``SlabCache`` is for
+        self.rows, self.batch, self.capacity = rows, max(2, batch), max(1, capacity)
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
 
@@ -77,7 +80,15 @@ class BatchSlabLayer(DynamicLayer):
         self.device = key_states.device
         shape = (self.batch, key_states.shape[1], self.capacity, key_states.shape[-1])
         self._keys, self._values = key_states.new_zeros(shape), value_states.new_zeros(shape)
+        self._mark_dynamic()
         self.is_initialized = True
+
+    def _mark_dynamic(self) -> None:
+        """Rows and capacity vary between caches: a compiled forward keeps one graph for all (a size it took as
+        fixed would pass into every shape derived from it, down to the batch's own)."""
+        for buffer in (self._keys, self._values):
+            torch._dynamo.maybe_mark_dynamic(buffer, 0)
+            torch._dynamo.maybe_mark_dynamic(buffer, 2)
 
     def _grow(self, batch: int, capacity: int) -> None:
         for name in ("_keys", "_values"):
@@ -86,6 +97,7 @@ class BatchSlabLayer(DynamicLayer):
             new[: old.shape[0], :, : old.shape[2]] = old
             setattr(self, name, new)
         self.batch, self.capacity = batch, capacity
+        self._mark_dynamic()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write row b's n new entries at ``lengths[b]``; return every live row's ``[0, max(lengths) + n)``."""
@@ -94,9 +106,11 @@ class BatchSlabLayer(DynamicLayer):
         b, n = key_states.shape[0], key_states.shape[2]
         plan = self.rows.plan
         if plan is not None:  # a planned forward: no lengths read, no growth (``BatchSlabCache.planned``)
-            which = torch.arange(b, device=self.device)[:, None]
-            self._keys[which, :, plan.where] = key_states.transpose(1, 2)
-            self._values[which, :, plan.where] = value_states.transpose(1, 2)
+            # every dimension indexed: the indices broadcast to [b, heads, n], the entries' own layout (no transpose)
+            which = torch.arange(b, device=self.device)[:, None, None]
+            heads = torch.arange(key_states.shape[1], device=self.device)[None, :, None]
+            self._keys[which, heads, plan.where[:, None]] = key_states
+            self._values[which, heads, plan.where[:, None]] = value_states
             self.keys, self.values = self._keys[:b, :, : plan.end], self._values[:b, :, : plan.end]
             return self.keys, self.values
         if b != self.rows.active:
@@ -200,7 +214,10 @@ class BatchSlabCache(Cache):
         for layer in self.layers:
             if end >= layer.capacity or self.active > layer.batch:
                 layer._grow(max(self.active, layer.batch), max(end + 1, 2 * layer.capacity))
-        self.rows.plan = WritePlan(self.rows.where(n, device), end)
+        where = self.rows.where(n, device)
+        torch._dynamo.maybe_mark_dynamic(where, 0)  # as the buffers' (``BatchSlabLayer._mark_dynamic``)
+        torch._dynamo.maybe_mark_dynamic(where, 1)
+        self.rows.plan = WritePlan(where, end)
         try:
             yield
         finally:

@@ -277,6 +277,33 @@ class CapturedForward:
         self.ready = True
         return True
 
+    def warm_batches(self, target) -> None:
+        """Compile the graphs a batch decode meets, on a scratch batch cache, so that none compiles mid-run: one row or
+        several (a size of 1 is a graph of its own), one new entry a row or several (a batch's forward always
+        carries a mask, so chains and trees share one). Nothing to do where batches stay eager or the path is not
+        ready; a failure leaves the target eager, saying why."""
+        if not self.ready or self.layout != "live":
+            return
+        from .batch_cache import BatchSlabCache
+
+        try:
+            single = target.new_cache(16)
+            target.prefill(list(range(1, 9)), single)
+            cache = BatchSlabCache(target.num_layers, 2, 16)
+            for _ in range(2):
+                cache.adopt(cache.add(), single)
+            cache.keep(1, 5, [])  # rows of unequal lengths, as a batch's are
+            for rows in (2, 1):
+                for n in (1, 2):
+                    end = cache.get_seq_length() + n
+                    mask = torch.zeros(rows, 1, n, end, dtype=target.dtype)
+                    positions = torch.tensor(cache.lengths)[:, None] + torch.arange(n)
+                    target.forward_rows(torch.ones(rows, n, dtype=torch.long), positions, mask, cache, captured=self)
+                if rows == 2:
+                    cache.drop(1)
+        except Exception as e:  # noqa: BLE001 - whatever broke it breaks a batch's forward too: eager, saying why
+            self.ready, self.error = False, f"a batch's forward: {failure_text(e)}"
+
     def start(self, target, then=None) -> threading.Thread:
         """``warm`` on a daemon thread, then ``then()`` (compiled or not); the target serves eager meanwhile."""
         def work() -> None:

@@ -216,6 +216,12 @@ class TargetModel:
             return EngineStatus("eager", self._engine_note)
         return self.captured.status
 
+    def warm_batches(self) -> None:
+        """Compile the graphs a batch decode meets now, where batches take the compiled path (``core.capture``), so
+        a timed run compiles nothing."""
+        if self.captured is not None:
+            self.captured.warm_batches(self)
+
     def eager_view(self) -> "TargetModel":
         """This target on the eager path (the same model and weights): a baseline in the same process."""
         view = copy.copy(self)
