@@ -41,24 +41,32 @@ def random_tree(nodes: int, seed: int) -> DraftTree:
     return DraftTree(torch.randint(0, VOCAB, (nodes,), generator=gen), torch.tensor(parents))
 
 
-def test_each_row_of_a_batched_verify_equals_its_own_sequence(target):
-    """Three sequences with different contexts verify trees of different sizes in one forward; each row's logits
-    are what its own cache and ``target.verify`` give, and its cache after the commit equals its own."""
-    contexts, trees = prompts(3, seed=1), [random_tree(n, seed=n) for n in (5, 1, 9)]
+def batched_verify(target, trees: list[DraftTree]):
+    """Sequences of different contexts (one per tree) in a batch cache that grows, each also in a one-sequence
+    cache of its own, and one forward verifying every tree (root 7) in its row. Returns (batch cache, the
+    one-sequence caches, the rows' pasts, the forward's logits)."""
     batch = BatchSlabCache(target.num_layers, batch=2, capacity=4)  # both grow
     singles = []
-    for ids in contexts:
+    for ids in prompts(len(trees), seed=1):
         single = SlabCache(target.num_layers, 64)
         target.prefill(ids, single)
         batch.adopt(batch.add(), single)
         singles.append(single)
-    pasts, blocks = batch.lengths, [tree.ancestors() for tree in trees]
-    n = max(len(tree) + 1 for tree in trees)
-    ids = torch.zeros(3, n, dtype=torch.long)
-    positions = torch.zeros(3, n, dtype=torch.long)
+    pasts, n = batch.lengths, max(len(tree) + 1 for tree in trees)
+    ids = torch.zeros(len(trees), n, dtype=torch.long)
+    positions = torch.zeros(len(trees), n, dtype=torch.long)
     for b, (tree, past) in enumerate(zip(trees, pasts)):
         ids[b, : len(tree) + 1], positions[b, : len(tree) + 1] = tree.input_ids(7), tree.positions(past)[0]
-    logits, _ = target.forward_rows(ids, positions, batch_mask(pasts, blocks, target.dtype), batch)
+    mask = batch_mask(pasts, [tree.ancestors() for tree in trees], target.dtype)
+    logits, _ = target.forward_rows(ids, positions, mask, batch)
+    return batch, singles, pasts, logits
+
+
+def test_each_row_of_a_batched_verify_equals_its_own_sequence(target):
+    """Three sequences with different contexts verify trees of different sizes in one forward; each row's logits
+    are what its own cache and ``target.verify`` give, and its cache after the commit equals its own."""
+    trees = [random_tree(n, seed=n) for n in (5, 1, 9)]
+    batch, singles, pasts, logits = batched_verify(target, trees)
     for b, (tree, single, past) in enumerate(zip(trees, singles, pasts)):
         alone, _ = target.verify(7, tree, single)
         torch.testing.assert_close(logits[b, : len(tree) + 1], alone, rtol=1e-5, atol=1e-5)

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_batch import prompts
+from test_batch import batched_verify, prompts, random_tree
 from test_engine import RandomTreeDrafter
 
 from conftest import session_checkpoint
 from drafters import build_drafter
-from specviz.core.batch import batch_mask, run_batch
+from specviz.core.batch import run_batch
 from specviz.core.batch_cache import BatchSlabCache
 from specviz.core.cache import SlabCache
 from specviz.core.engine import output_ids, run
 from specviz.core.load import prepare
 from specviz.core.target import TargetModel
-from specviz.core.tree import DraftTree
 
 VOCAB = 64
 
@@ -52,24 +51,9 @@ def test_a_compiled_batch_verify_equals_each_rows_own_forward(compiled):
     logits are its own sequence's verify on a one-sequence cache (the eager path's), and a commit that moves
     entries keeps the row's cache equal to its own."""
     eager = compiled.eager_view()
-    contexts = prompts(3, seed=1)
-    trees = [DraftTree(torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)),
-                       torch.tensor([max(i - 1 - i % 2, -1) + 1 if i else 0 for i in range(n)]))
-             for n in (5, 1, 9)]
-    batch = BatchSlabCache(compiled.num_layers, batch=2, capacity=4)  # grows, outside the graph
-    singles = []
-    for ids in contexts:
-        single = SlabCache(compiled.num_layers, 64)
-        eager.prefill(ids, single)
-        batch.adopt(batch.add(), single)
-        singles.append(single)
-    pasts, n = batch.lengths, max(len(tree) + 1 for tree in trees)
-    ids, positions = torch.zeros(3, n, dtype=torch.long), torch.zeros(3, n, dtype=torch.long)
-    for b, (tree, past) in enumerate(zip(trees, pasts)):
-        ids[b, : len(tree) + 1], positions[b, : len(tree) + 1] = tree.input_ids(7), tree.positions(past)[0]
     calls = counting_compiled_calls(compiled)
-    logits, _ = compiled.forward_rows(ids, positions, batch_mask(pasts, [t.ancestors() for t in trees],
-                                                                 compiled.dtype), batch)
+    trees = [random_tree(n, seed=n) for n in (5, 1, 9)]
+    batch, singles, pasts, logits = batched_verify(compiled, trees)  # prefilled eager (a prefill always is)
     assert calls == [3] and batch.rows.plan is None
     for b, (tree, single, past) in enumerate(zip(trees, singles, pasts)):
         alone, _ = eager.verify(7, tree, single)
