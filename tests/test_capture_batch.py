@@ -1,9 +1,9 @@
-"""Batches on the compiled path (``core.capture``, live-rows layout): a batch's verify forward runs through the
-compiled graph with each row's cache writes planned outside it (``BatchSlabCache.planned``). Every sequence's
-greedy output equals its own batch-1 decode and plain greedy decoding, across rows of different lengths, trees
-of different sizes, sequences that end early and ones that join; the forwards ran compiled; batch sizes and
-context lengths after the first few compile nothing more. The whole-buffer layout (CUDA graphs) keeps batches
-eager."""
+"""Batches on the compiled path (``core.capture``), in both layouts: a batch's verify forward runs through the
+compiled graph with each row's cache writes planned outside it (``BatchSlabCache.planned``), or, in the
+whole-buffer layout (CUDA graphs'), padded to buckets of rows and entries over whole buffers
+(``BatchSlabCache.whole``). Every sequence's greedy output equals its own batch-1 decode and plain greedy
+decoding, across rows of different lengths, trees of different sizes, sequences that end early and ones that
+join; the forwards ran compiled; batch sizes and context lengths after the first few compile nothing more."""
 
 from __future__ import annotations
 
@@ -19,17 +19,17 @@ from specviz.core.batch_cache import BatchSlabCache
 from specviz.core.cache import SlabCache
 from specviz.core.engine import output_ids, run
 from specviz.core.load import prepare
-from specviz.core.target import TargetModel
+from specviz.core.target import TargetModel, cache_kwarg
 
 VOCAB = 64
 
 
-@pytest.fixture(scope="module")
-def compiled(tiny_llama):
+@pytest.fixture(scope="module", params=["live", "buffer"])
+def compiled(tiny_llama, request):
     """A tiny target prepared as ``load_target`` prepares one (grouped heads, packed layers), compiled in the
-    live-rows layout, the CPU's."""
+    live-rows layout (the CPU's) or the whole-buffer one (CUDA's, here without graphs)."""
     target = TargetModel(prepare(tiny_llama(vocab_size=VOCAB, seed=3, max_positions=320), pack=True))
-    assert target.use_engine("compiled", layout="live").path == "compiled"
+    assert target.use_engine("compiled", layout=request.param).path == "compiled"
     return target
 
 
@@ -54,7 +54,7 @@ def test_a_compiled_batch_verify_equals_each_rows_own_forward(compiled):
     calls = counting_compiled_calls(compiled)
     trees = [random_tree(n, seed=n) for n in (5, 1, 9)]
     batch, singles, pasts, logits = batched_verify(compiled, trees)  # prefilled eager (a prefill always is)
-    assert calls == [3] and batch.rows.plan is None
+    assert calls == ([3] if compiled.captured.layout == "live" else [4]) and batch.rows.plan is None  # 4: bucket
     for b, (tree, single, past) in enumerate(zip(trees, singles, pasts)):
         alone, _ = eager.verify(7, tree, single)
         torch.testing.assert_close(logits[b, : len(tree) + 1], alone, rtol=1e-4, atol=1e-4)
@@ -81,7 +81,7 @@ def test_every_sequence_of_a_compiled_batch_equals_its_own_decode(compiled, meth
     for batch_size in (2, 3):
         records = run_batch(compiled, drafter, texts, limits, batch_size=batch_size, stop_on_eos=False)
         assert [output_ids(r) for r in records] == alone, batch_size
-    assert max(calls) == 3 and sum(c > 1 for c in calls) > 10
+    assert max(calls) == (3 if compiled.captured.layout == "live" else 4) and sum(c > 1 for c in calls) > 10
     if method != "ar":  # drafts went through the graph as trees or chains of several rows per sequence
         assert sum(len(s.tree) for r in records for s in r) > 10
     if method in ("eagle2", "redrafter"):  # trained on this target: they accept, unevenly
@@ -89,15 +89,16 @@ def test_every_sequence_of_a_compiled_batch_equals_its_own_decode(compiled, meth
         assert sum(accepted) > 0 and len(set(accepted)) > 1, accepted
 
 
-def test_warming_compiles_every_graph_a_batch_decode_meets(tiny_llama, ref_greedy):
+@pytest.mark.parametrize("layout", ["live", "buffer"])
+def test_warming_compiles_every_graph_a_batch_decode_meets(tiny_llama, ref_greedy, layout):
     """``warm_batches`` compiles a batch's graphs (several rows or one; one new entry a row or several); after it,
     batches of other sizes, contexts and drafts (rows at unequal lengths, chains and trees, the batch shrinking
     to one row as sequences end, a buffer that grows) compile nothing: the plan keeps the rows' lengths out of
-    the graph, so they are not guarded on."""
+    the graph, so they are not guarded on, and in the whole-buffer layout every bucket is one graph."""
     from torch._dynamo.utils import counters
 
     compiled = TargetModel(prepare(tiny_llama(vocab_size=VOCAB, seed=4, max_positions=320), pack=True))
-    assert compiled.use_engine("compiled", layout="live").path == "compiled"
+    assert compiled.use_engine("compiled", layout=layout).path == "compiled"
     compiled.warm_batches()
     before = counters["stats"]["unique_graphs"]
     texts = prompts(6, seed=7)
@@ -113,14 +114,61 @@ def test_warming_compiles_every_graph_a_batch_decode_meets(tiny_llama, ref_greed
     assert compiled.engine.path == "compiled", compiled.engine
 
 
-def test_the_whole_buffer_layout_keeps_batches_eager(tiny_llama):
-    """CUDA graphs record one shape each, and a batch's rows have lengths of their own: batches stay eager there,
-    one sequence compiled."""
+def test_a_whole_buffer_forward_is_padded_to_buckets_and_fillers_see_only_themselves(tiny_llama):
+    """``BatchSlabCache.whole``: 3 rows of 5 entries become 4 rows of 8 over the capacity; a real entry's mask is
+    the one given, a filler's (a padding row's, a real row's padding entry) sees only the slot it is written to,
+    after its row's live positions, so no live position changes."""
     target = TargetModel(prepare(tiny_llama(vocab_size=VOCAB, seed=3), pack=True))
-    assert target.use_engine("compiled", layout="buffer").path == "compiled"
-    batch = BatchSlabCache(target.num_layers, 2, 16)
-    single = SlabCache(target.num_layers, 16)
+    cache = BatchSlabCache(target.num_layers, 3, 32)
+    for ids in prompts(3, seed=4):
+        single = SlabCache(target.num_layers, 32)
+        target.prefill(ids, single)
+        cache.adopt(cache.add(), single)
+    lengths, n = cache.lengths, 5
+    before = [layer._keys.clone() for layer in cache.layers]
+    mask = torch.randn(3, 1, n, max(lengths) + n)
+    with cache.whole(torch.ones(3, n, dtype=torch.long), torch.ones(3, n, dtype=torch.long), mask,
+                     torch.float32) as args:
+        where = cache.rows.plan.where
+        capacity = cache.layers[0].capacity
+        assert args["input_ids"].shape == args["position_ids"].shape == where.shape == (4, 8)
+        assert args["attention_mask"].shape == (4, 1, 8, capacity) and capacity > max(lengths) + 8
+        full = args["attention_mask"][:, 0]
+        torch.testing.assert_close(full[:3, :n, : mask.shape[-1]], mask[:, 0])
+        for b in range(4):
+            start = lengths[b] if b < 3 else 0
+            assert where[b].tolist() == list(range(start, start + 8))
+            for j in range(8 if b == 3 else n, 8):
+                assert (full[b, j] == 0).nonzero().flatten().tolist() == [start + j]
+        with torch.inference_mode():
+            target.model(**args, **cache_kwarg(target.model, cache), use_cache=True)
+    assert cache.rows.plan is None and cache.lengths == lengths
+    for layer, old in zip(cache.layers, before):
+        for b, length in enumerate(lengths):
+            torch.testing.assert_close(layer._keys[b, :, :length], old[b, :, :length])
+
+
+def test_a_static_batch_cache_takes_the_buffers_the_last_one_of_its_shape_gave_back(tiny_llama):
+    """Under CUDA graphs the batch cache's buffers are fixed addresses: a cache that is gone gives them back to
+    the pool, and the next cache of the same shape takes them (its graphs then replay), zeroed."""
+    import gc
+
+    target = TargetModel(prepare(tiny_llama(vocab_size=VOCAB, seed=3), pack=True))
+    single = SlabCache(target.num_layers, 32)
     target.prefill([1, 2, 3], single)
-    batch.adopt(batch.add(), single)
-    assert target._captured_for(torch.ones(1, 2, dtype=torch.long), batch, None) is None
-    assert target._captured_for(torch.ones(1, 2, dtype=torch.long), single, None) is target.captured
+
+    def filled():
+        cache = BatchSlabCache(target.num_layers, 4, 64, static=True)
+        cache.adopt(cache.add(), single)
+        return cache
+
+    cache = filled()
+    addresses = [layer._keys.data_ptr() for layer in cache.layers]
+    del cache
+    gc.collect()
+    again = filled()
+    assert [layer._keys.data_ptr() for layer in again.layers] == addresses
+    assert again.layers[0]._keys[0, :, 3:].abs().sum() == 0 and again.layers[0]._keys[1:].abs().sum() == 0
+    other = BatchSlabCache(target.num_layers, 8, 64, static=True)  # another shape: buffers of its own
+    other.adopt(other.add(), single)
+    assert other.layers[0]._keys.data_ptr() not in addresses

@@ -198,6 +198,33 @@ def test_batches_decode_on_a_gpu_as_on_the_cpu(method, settings, target, fake_cu
 
 
 @real_gpu
+@pytest.mark.parametrize("method, settings", [("ar", {}), ("pld", {}), ("redrafter", dict(width=3, length=3))],
+                         ids=["ar", "pld", "redrafter"])
+def test_batches_replay_cuda_graphs_and_decode_as_on_the_cpu(method, settings, target):
+    """A batch on a compiled GPU target takes the whole-buffer form (rows and entries padded to buckets) replayed as
+    CUDA graphs: every sequence equals its own CPU decode, with a lane ending early and another joining, on
+    graphs recorded by ``warm_batches`` and again on a second run (the pool's buffers, the same addresses)."""
+    from test_capture_batch import counting_compiled_calls
+
+    from specviz.core.batch import batch_capacity, run_batch
+
+    checkpoint = {} if method in ("ar", "pld") else {"checkpoint": str(session_checkpoint(target, method))}
+    texts, limits = [PROMPTS[0], PROMPTS[1], PROMPTS[0] + PROMPTS[1]], [12, 4, 10]
+    on_cpu = drafters.build_drafter(method, target, **checkpoint, **settings)
+    alone = [run(target, on_cpu, p, n, stop_on_eos=False).output_ids for p, n in zip(texts, limits)]
+    gpu = TargetModel(prepare(make_llama(VOCAB, seed=0, num_layers=4).to("cuda")))
+    gpu.use_engine("compiled")
+    gpu.warm_batches(2, batch_capacity(texts, limits))
+    assert gpu.captured.graphs and gpu.engine.path == "compiled", gpu.engine
+    drafter = drafters.build_drafter(method, gpu, **checkpoint, **settings)
+    calls = counting_compiled_calls(gpu)
+    for _ in range(2):
+        records = run_batch(gpu, drafter, texts, limits, batch_size=2, stop_on_eos=False)
+        assert [output_ids(r) for r in records] == alone
+    assert max(calls) == 2 and gpu.engine.path == "compiled", gpu.engine
+
+
+@real_gpu
 def test_phase_times_on_a_gpu_come_from_events_and_add_up(greedy_on_the_cpu):
     """On CUDA a step's phases are timed by events read once a step: every step's verify took time, drafting took
     time where there was a draft, and no step's phases add up to more than the run's wall time."""

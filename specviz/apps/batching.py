@@ -19,7 +19,7 @@ from dataclasses import asdict, replace
 from datetime import date
 
 from drafters import build_drafter
-from specviz.core.batch import generate_batch
+from specviz.core.batch import batch_capacity, generate_batch
 from specviz.core.errors import SettingsError
 from specviz.core.metrics import tau
 from specviz.core.protocol import Drafter
@@ -58,9 +58,10 @@ def measure(target: TargetModel, label: str, prompts: list[list[int]], batch_siz
     drafter = build_drafter(name, target, **settings)
     if not batched:
         drafter = lane_by_lane(drafter)
-    if warm:  # one-off costs stay out of the timing: graphs compiled, kernels built, caches filled
-        target.warm_batches()
-        for _ in generate_batch(target, drafter, prompts, WARM_TOKENS, sampling, batch_size):
+    if warm:  # one-off costs stay out of the timing: graphs compiled (and recorded), kernels built, caches filled
+        capacity = batch_capacity(prompts, max_new_tokens)  # the timed run's: a warm-up on its buffers
+        target.warm_batches(batch_size, capacity)
+        for _ in generate_batch(target, drafter, prompts, WARM_TOKENS, sampling, batch_size, capacity=capacity):
             pass
     records: list[list] = [[] for _ in prompts]
     joined, left = [0.0] * len(prompts), [0.0] * len(prompts)

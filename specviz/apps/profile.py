@@ -43,7 +43,7 @@ def profile(target: TargetModel, context: int = 256, sizes=(1, 2, 4, 8, 16, 32, 
     cache = target.new_cache()
     target.prefill(prompt, cache)
     if batch > 1:  # every row holds the same context
-        rows = BatchSlabCache(target.num_layers, batch, context + max(sizes) + 1)
+        rows = target.new_batch_cache(batch, context + max(sizes) + 1)
         for _ in range(batch):
             rows.adopt(rows.add(), cache)
         cache = rows

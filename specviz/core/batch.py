@@ -57,6 +57,12 @@ def batch_mask(pasts: list[int], blocks: list[torch.Tensor], dtype: torch.dtype)
     return mask[:, None]
 
 
+def batch_capacity(prompts: Sequence[list[int]], limits: int | Sequence[int]) -> int:
+    """The tokens a batch's cache holds a sequence: the longest prompt with its limit, and 64 for a tree's entries."""
+    limits = [limits] * len(prompts) if isinstance(limits, int) else list(limits)
+    return max((len(p) + limit for p, limit in zip(prompts, limits)), default=1) + 64
+
+
 def generate_batch(
     target: TargetModel,
     drafter: Drafter,
@@ -66,12 +72,14 @@ def generate_batch(
     batch_size: int = 4,
     stop_on_eos: bool = True,
     seeds: Sequence[int | None] | None = None,
+    capacity: int | None = None,
 ) -> Iterator[tuple[int, StepRecord]]:
     """Yield ``(prompt index, record)`` for every lane's prefill and steps, ``batch_size`` lanes at a time.
 
     Each prompt decodes as ``engine.generate`` would decode it alone: its own drafter state, its own token
     limit (``max_new_tokens``, one for all or one per prompt) and its own generator seeded with ``seeds[i]``
-    (default: ``sampling.seed`` for every prompt)."""
+    (default: ``sampling.seed`` for every prompt). ``capacity``: the tokens the cache holds a sequence
+    (default ``batch_capacity``; a warm-up passes its timed run's, so both take the same buffers)."""
     sampling = sampling or Sampling()
     if batch_size < 1:
         raise TargetError(f"batch_size must be at least 1, got {batch_size}")
@@ -84,8 +92,8 @@ def generate_batch(
         check_request(target, ids, limit)
     seeds = list(seeds) if seeds is not None else [sampling.seed] * len(prompts)
     eos = target.text.eos_token_ids if stop_on_eos else frozenset()
-    capacity = max((len(p) + limit for p, limit in zip(prompts, limits)), default=1) + 64  # 64: a tree's rows
-    cache = BatchSlabCache(target.num_layers, min(batch_size, max(len(prompts), 1)), capacity)
+    capacity = capacity or batch_capacity(prompts, limits)
+    cache = target.new_batch_cache(min(batch_size, max(len(prompts), 1)), capacity)
     waiting, lanes = deque(range(len(prompts))), []
     while waiting or lanes:
         while waiting and len(lanes) < batch_size:  # joiners take the free rows, each prefilled alone

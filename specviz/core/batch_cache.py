@@ -14,7 +14,16 @@ of every live row, as views: the caller's 4D mask (``core.batch``) hides from ea
   so the live rows stay a prefix ``[0, active)`` and attention never reads a gathered copy;
 - ``planned(n, device)`` holds one forward's writes as data (each row's positions as a tensor, the rows attention
   reads as one length), room made first: a compiled forward (``core.capture``) then traces no Python list of
-  lengths, whose every value and order it would otherwise guard on and compile again for.
+  lengths, whose every value and order it would otherwise guard on and compile again for;
+- ``whole(ids, positions, mask)`` is the **whole-buffer layout** (what a CUDA graph needs, as ``SlabCache.slots``
+  is for one sequence): the forward is padded to ``bucket(rows)`` rows of ``bucket(n)`` entries, attention reads
+  every row's whole buffer under the mask padded to the capacity, so a forward's shapes depend on those two
+  buckets and the capacity only, never on the rows' lengths. A filler entry (a padding row, or a padding entry
+  of a real row) is written after its row's live positions, where nothing reads it, and sees only itself.
+
+A ``static`` cache (the buffers' addresses are fixed inputs of CUDA graphs) takes its buffers from ``core.cache``'s
+pool, as ``SlabCache(static=True)`` does, so that the next decode of the same shape replays the graphs recorded for
+this one.
 
 Invariant: rows ``[0, active)`` are live; row r's positions ``[0, lengths[r])`` are its committed sequence,
 in order; everything else is stale and never read. The buffers start at the batch's row count and the
@@ -31,7 +40,14 @@ import torch._dynamo
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
+from .cache import POOL, pooled_pair
 from .transfer import to_device
+
+
+def bucket(n: int) -> int:
+    """The power of two at or above ``n``: the rows and entries a whole-buffer forward is padded to, so that CUDA
+    graphs are recorded for a few shapes (as vLLM records its batch sizes) and not one per batch."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -40,7 +56,7 @@ class WritePlan:
     live row's first ``end`` positions (the longest row's length plus n)."""
 
     where: torch.Tensor  # [rows, n], long, on the cache's device
-    end: int
+    end: int | None  # None: every row's whole buffer (the whole-buffer layout)
 
 
 class Rows:
@@ -68,34 +84,51 @@ class Rows:
 class BatchSlabLayer(DynamicLayer):
     """One decoder layer's keys and values for every row of the batch."""
 
-    def __init__(self, rows: Rows, batch: int, capacity: int):
+    def __init__(self, rows: Rows, batch: int, capacity: int, static: bool = False, index: int = 0):
         super().__init__()
         # two rows at least: a compiled forward specialises on a buffer of one row (a graph more to compile), and
         # a cache for one sequence is what ``SlabCache`` is for
         self.rows, self.batch, self.capacity = rows, max(2, batch), max(1, capacity)
+        self.static, self.index = static, index  # fixed addresses, pooled under the decoder layer's index
+        self._held: list = []  # a static layer's (pool key, buffer pair), its current pair last
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        shape = (self.batch, key_states.shape[1], self.capacity, key_states.shape[-1])
-        self._keys, self._values = key_states.new_zeros(shape), value_states.new_zeros(shape)
+        self._keys, self._values = self._buffers(key_states, self.batch, self.capacity)
         self._mark_dynamic()
         self.is_initialized = True
 
+    def _buffers(self, like: torch.Tensor, batch: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed key and value buffers of ``batch`` rows and ``capacity`` positions (zeros: never NaN, even
+        unread); a static layer's come from the pool."""
+        shape = (batch, like.shape[1], capacity, like.shape[-1])
+
+        def make():
+            return like.new_zeros(shape), like.new_zeros(shape)
+
+        if not self.static:
+            return make()
+        return pooled_pair(self, ("batch", self.index, shape, like.dtype, like.device), make)
+
     def _mark_dynamic(self) -> None:
         """Rows and capacity vary between caches: a compiled forward keeps one graph for all (a size it took as
-        fixed would pass into every shape derived from it, down to the batch's own)."""
+        fixed would pass into every shape derived from it, down to the batch's own). A static layer's buffers are
+        fixed addresses too, which a CUDA graph writes in place (``SlabLayer._mark_dynamic``)."""
         for buffer in (self._keys, self._values):
             torch._dynamo.maybe_mark_dynamic(buffer, 0)
             torch._dynamo.maybe_mark_dynamic(buffer, 2)
+            if self.static:
+                torch._dynamo.mark_static_address(buffer)
 
     def _grow(self, batch: int, capacity: int) -> None:
-        for name in ("_keys", "_values"):
-            old = getattr(self, name)
-            new = old.new_zeros((batch, old.shape[1], capacity, old.shape[-1]))  # zeros: never NaN, even unread
-            new[: old.shape[0], :, : old.shape[2]] = old
-            setattr(self, name, new)
+        old = self._keys, self._values
+        self._keys, self._values = self._buffers(old[0], batch, capacity)
+        for new, before in zip((self._keys, self._values), old):
+            new[: before.shape[0], :, : before.shape[2]] = before
+        if self.static:
+            POOL.give_back(self._held, keep_last=True)
         self.batch, self.capacity = batch, capacity
         self._mark_dynamic()
 
@@ -111,7 +144,10 @@ class BatchSlabLayer(DynamicLayer):
             heads = torch.arange(key_states.shape[1], device=self.device)[None, :, None]
             self._keys[which, heads, plan.where[:, None]] = key_states
             self._values[which, heads, plan.where[:, None]] = value_states
-            self.keys, self.values = self._keys[:b, :, : plan.end], self._values[:b, :, : plan.end]
+            if plan.end is None:  # the whole-buffer layout: every position, the mask hides what is not live
+                self.keys, self.values = self._keys[:b], self._values[:b]
+            else:
+                self.keys, self.values = self._keys[:b, :, : plan.end], self._values[:b, :, : plan.end]
             return self.keys, self.values
         if b != self.rows.active:
             raise ValueError(f"a forward of {b} rows over a cache with {self.rows.active} live ones")
@@ -148,9 +184,9 @@ class BatchSlabLayer(DynamicLayer):
 class BatchSlabCache(Cache):
     """A KV cache of ``BatchSlabLayer``s for up to ``batch`` sequences of ``capacity`` tokens each (both grow)."""
 
-    def __init__(self, num_layers: int, batch: int, capacity: int = 256):
+    def __init__(self, num_layers: int, batch: int, capacity: int = 256, static: bool = False):
         self.rows = Rows()
-        super().__init__(layers=[BatchSlabLayer(self.rows, batch, capacity) for _ in range(num_layers)])
+        super().__init__(layers=[BatchSlabLayer(self.rows, batch, capacity, static, i) for i in range(num_layers)])
 
     @property
     def lengths(self) -> list[int]:
@@ -165,6 +201,7 @@ class BatchSlabCache(Cache):
         self.rows.lengths.append(0)
         return self.rows.active - 1
 
+    @torch.inference_mode()  # buffers made (or grown) by a forward are inference tensors
     def adopt(self, row: int, single: Cache) -> None:
         """Copy a one-sequence cache (a lone prefill's ``SlabCache``) into ``row``, which takes its length."""
         length = single.get_seq_length()
@@ -203,18 +240,17 @@ class BatchSlabCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.rows.lengths, default=0)
 
-    @contextlib.contextmanager
-    def planned(self, n: int, device: torch.device):
-        """Inside the block, a forward of n new entries per live row writes by a plan made here (``WritePlan``):
-        every layer's buffers first grow to hold the rows and their entries with one to spare (so a view of the
-        live rows is never a whole buffer, which dynamo compiles apart), then the positions are one tensor."""
+    def _room(self, rows: int, end: int) -> None:
+        """Every layer's buffers hold ``rows`` rows and ``end`` positions with one to spare (so a view of the live
+        rows is never a whole buffer, which dynamo compiles apart), grown before a forward, never inside one."""
         if not self.is_initialized:
             raise ValueError("a planned forward needs buffers: the first rows arrive by adopt() or a forward")
-        end = self.get_seq_length() + n
         for layer in self.layers:
-            if end >= layer.capacity or self.active > layer.batch:
-                layer._grow(max(self.active, layer.batch), max(end + 1, 2 * layer.capacity))
-        where = self.rows.where(n, device)
+            if end >= layer.capacity or rows > layer.batch:
+                layer._grow(max(rows, layer.batch), max(end + 1, 2 * layer.capacity))
+
+    @contextlib.contextmanager
+    def _plan(self, where: torch.Tensor, end: int | None):
         torch._dynamo.maybe_mark_dynamic(where, 0)  # as the buffers' (``BatchSlabLayer._mark_dynamic``)
         torch._dynamo.maybe_mark_dynamic(where, 1)
         self.rows.plan = WritePlan(where, end)
@@ -222,3 +258,43 @@ class BatchSlabCache(Cache):
             yield
         finally:
             self.rows.plan = None
+
+    @contextlib.contextmanager
+    def planned(self, n: int, device: torch.device):
+        """Inside the block, a forward of n new entries per live row writes by a plan made here (``WritePlan``):
+        room made first (``_room``), then the positions are one tensor."""
+        end = self.get_seq_length() + n
+        self._room(self.active, end)
+        with self._plan(self.rows.where(n, device), end):
+            yield
+
+    @contextlib.contextmanager
+    def whole(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype):
+        """The whole-buffer layout for one forward over every live row: ``ids`` and ``positions`` [rows, n] and the
+        additive ``mask`` [rows, 1, n, w] (over each row's first w positions, as the live-rows layout takes it) come
+        back padded to ``bucket(rows)`` rows of ``bucket(n)`` entries and the mask to the capacity, as the forward's
+        keyword arguments; inside the block that forward writes by the plan and reads whole buffers. Its outputs'
+        first ``rows`` rows and ``n`` entries are the real ones. Row b's entries go after its ``lengths[b]``; a
+        filler row's after position 0, in a row of the buffer no sequence holds."""
+        rows, n = ids.shape
+        if rows != self.active:
+            raise ValueError(f"a forward of {rows} rows over a cache with {self.active} live ones")
+        if mask is None or mask.shape[-1] > self.get_seq_length() + n:
+            raise ValueError("a batch's whole-buffer forward takes its 4D mask over the live rows and the new entries")
+        padded, width, device = bucket(rows), bucket(n), ids.device
+        self._room(padded, self.get_seq_length() + width)
+        capacity = self.layers[0].capacity
+        starts = torch.tensor(self.rows.lengths + [0] * (padded - rows), device=device)
+        where = starts[:, None] + torch.arange(width, device=device)
+        filler = torch.ones(padded, width, dtype=torch.bool)
+        filler[:rows, :n] = False
+        at = tuple(to_device(i, device) for i in filler.nonzero(as_tuple=True))  # found on the host: no sync
+        full = torch.full((padded, 1, width, capacity), torch.finfo(dtype).min, dtype=dtype, device=device)
+        full[:rows, :, :n, : mask.shape[-1]] = mask.to(device=device, dtype=dtype)
+        full[at[0], 0, at[1], where[at]] = 0  # a filler entry sees only itself: no softmax row is empty (NaN)
+        grid = torch.zeros(padded, width, dtype=ids.dtype, device=device)
+        args = dict(input_ids=grid.clone(), position_ids=grid.clone(), attention_mask=full)
+        args["input_ids"][:rows, :n] = ids
+        args["position_ids"][:rows, :n] = positions
+        with self._plan(where, None):
+            yield args

@@ -74,6 +74,17 @@ class BufferPool:
 POOL = BufferPool()
 
 
+def pooled_pair(layer, key: tuple, make) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static layer's buffer pair for ``key`` from ``POOL`` (``make()`` where it holds none), recorded in the
+    layer's ``_held`` list: every pair it held goes back when the layer is gone, and a growth gives the old pair
+    back once its rows are copied (``POOL.give_back(layer._held, keep_last=True)``)."""
+    pair = POOL.take(key, make)
+    if not layer._held:  # the first pair: give back whatever this layer holds when it is gone
+        weakref.finalize(layer, POOL.give_back, layer._held)
+    layer._held.append((key, pair))
+    return pair
+
+
 class SlabLayer(DynamicLayer):
     """One decoder layer's keys and values in buffers of ``capacity`` rows, ``length`` of them live."""
 
@@ -104,12 +115,8 @@ class SlabLayer(DynamicLayer):
 
         if not self.static:
             return make()
-        key = (self.index, tuple(keys.shape[:2]), capacity, keys.shape[-1], values.shape[-1], keys.dtype, keys.device)
-        pair = POOL.take(key, make)
-        if not self._held:  # the first pair: give back whatever this layer holds when it is gone
-            weakref.finalize(self, POOL.give_back, self._held)
-        self._held.append((key, pair))  # a growth gives the old pair back once its rows are copied
-        return pair
+        return pooled_pair(self, (self.index, tuple(keys.shape[:2]), capacity, keys.shape[-1], values.shape[-1],
+                                  keys.dtype, keys.device), make)
 
     def _mark_dynamic(self) -> None:
         """The buffers' length varies between caches: a compiled forward (``core.capture``) keeps one graph for all.

@@ -27,12 +27,13 @@ eagerly: the graph ends at the final norm. Inside a graph the head would be the 
 tree verify's rows several times more.
 
 Which forwards go through it (``TargetModel.forward_rows`` decides, per call): one sequence on a ``SlabCache``
-whose buffers exist, and in the live-rows layout a batch on a ``BatchSlabCache`` (``core.batch``), whose rows'
-writes are planned outside the graph (``BatchSlabCache.planned``), so the batch size, the rows' lengths and
-their order compile nothing new after the first batch of each shape (one row, several). The prefill (once per
-decode, of any length) and other caches run eager: a graph for each would cost more compile time than it saves.
-In the whole-buffer layout batches stay eager: a CUDA graph records one shape, and a batch's rows have lengths of
-their own.
+whose buffers exist, and a batch on a ``BatchSlabCache`` (``core.batch``), whose rows' writes are planned outside
+the graph, so the batch size, the rows' lengths and their order compile nothing new after the first batch of each
+shape (one row, several). In the live-rows layout the plan is the rows' positions (``BatchSlabCache.planned``); in
+the whole-buffer layout the forward is also padded to a power of two of rows and of entries a row, and attention
+reads every row's whole buffer (``BatchSlabCache.whole``), so CUDA graphs record one shape per pair of buckets, not
+one per batch. The prefill (once per decode, of any length) and other caches run eager: a graph for each would
+cost more compile time than it saves.
 
 Compiling takes minutes on a small CPU the first time, so it happens in ``warm`` (on a scratch cache, every graph
 the decode will ask for) and the target serves on the eager path until ``ready``; ``start`` runs ``warm`` on a
@@ -69,6 +70,7 @@ from .packing import register
 
 ENGINES = ("eager", "compiled", "auto")  # auto: compiled where torch.compile works here, else eager
 LAYOUTS = ("live", "buffer")  # what attention reads in a compiled forward: the live rows, or the whole buffer
+GRAPH_ENTRIES = 64  # a batch's entries a row up to which ``warm_batches`` records CUDA graphs (more: recorded on use)
 REVISION = 9  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
 
 
@@ -277,30 +279,33 @@ class CapturedForward:
         self.ready = True
         return True
 
-    def warm_batches(self, target) -> None:
+    def warm_batches(self, target, rows: int = 2, capacity: int = 16) -> None:
         """Compile the graphs a batch decode meets, on a scratch batch cache, so that none compiles mid-run: one row or
         several (a size of 1 is a graph of its own), one new entry a row or several (a batch's forward always
-        carries a mask, so chains and trees share one). Nothing to do where batches stay eager or the path is not
-        ready; a failure leaves the target eager, saying why."""
-        if not self.ready or self.layout != "live":
+        carries a mask, so chains and trees share one). Where forwards replay as CUDA graphs, one is recorded per
+        shape, so every pair of buckets a batch of up to ``rows`` sequences meets (entries up to ``GRAPH_ENTRIES``)
+        is recorded too, on the buffers a cache of ``capacity`` tokens takes from the pool next. Nothing to do
+        where the path is not ready; a failure leaves the target eager, saying why."""
+        if not self.ready:
             return
-        from .batch_cache import BatchSlabCache
+        from .batch_cache import bucket
 
+        sizes = [(r, n) for r in (1, 2) for n in (1, 2)]
+        if self.graphs:
+            sizes = [(1 << i, 1 << j) for i in range(bucket(rows).bit_length())
+                     for j in range(GRAPH_ENTRIES.bit_length())]
         try:
             single = target.new_cache(16)
             target.prefill(list(range(1, 9)), single)
-            cache = BatchSlabCache(target.num_layers, 2, 16)
-            for _ in range(2):
-                cache.adopt(cache.add(), single)
-            cache.keep(1, 5, [])  # rows of unequal lengths, as a batch's are
-            for rows in (2, 1):
-                for n in (1, 2):
-                    end = cache.get_seq_length() + n
-                    mask = torch.zeros(rows, 1, n, end, dtype=target.dtype)
-                    positions = torch.tensor(cache.lengths)[:, None] + torch.arange(n)
-                    target.forward_rows(torch.ones(rows, n, dtype=torch.long), positions, mask, cache, captured=self)
-                if rows == 2:
-                    cache.drop(1)
+            cache = target.new_batch_cache(max(rows, 2), capacity)
+            for live, n in sizes:
+                while cache.active < live:
+                    cache.adopt(cache.add(), single)
+                cache.keep(0, 5, [])  # rows of unequal lengths, as a batch's are
+                end = cache.get_seq_length() + n
+                mask = torch.zeros(live, 1, n, end, dtype=target.dtype)
+                positions = torch.tensor(cache.lengths)[:, None] + torch.arange(n)
+                target.forward_rows(torch.ones(live, n, dtype=torch.long), positions, mask, cache, captured=self)
         except Exception as e:  # noqa: BLE001 - whatever broke it breaks a batch's forward too: eager, saying why
             self.ready, self.error = False, f"a batch's forward: {failure_text(e)}"
 

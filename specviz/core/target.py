@@ -30,7 +30,7 @@ import torch
 from transformers import Cache
 
 from . import rows
-from .batch_cache import BatchSlabCache
+from .batch_cache import BatchSlabCache, bucket
 from .cache import SlabCache
 from .cache import for_model as cache_for_model
 from .capture import (
@@ -179,6 +179,17 @@ class TargetModel:
             capacity = 1 << max(8, (capacity - 1).bit_length())
         return cache_for_model(self.config, capacity, static)
 
+    def new_batch_cache(self, batch: int, capacity: int) -> BatchSlabCache:
+        """An empty KV cache for ``batch`` sequences of up to ``capacity`` tokens each (``core.batch``). Where this
+        target's forwards replay as CUDA graphs, its buffers are fixed addresses from the pool, of ``bucket`` rows
+        and a power-of-two capacity: decodes of similar sizes then take the same buffers and replay the same graphs."""
+        static = self.captured is not None and self.captured.graphs
+        if self.captured is not None and self.captured.layout == "buffer":  # its forwards pad rows to a bucket
+            batch = bucket(batch)
+        if static:
+            capacity = 1 << max(8, (capacity - 1).bit_length())
+        return BatchSlabCache(self.num_layers, batch, capacity, static)
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Cache,
                  keep: int = 0):
         logits, feats = self.forward_rows(ids[None], positions, mask, cache, keep)
@@ -216,11 +227,12 @@ class TargetModel:
             return EngineStatus("eager", self._engine_note)
         return self.captured.status
 
-    def warm_batches(self) -> None:
+    def warm_batches(self, rows: int = 2, capacity: int = 16) -> None:
         """Compile the graphs a batch decode meets now, where batches take the compiled path (``core.capture``), so
-        a timed run compiles nothing."""
+        a timed run compiles nothing; under CUDA graphs, also record those a batch of up to ``rows`` sequences of
+        ``capacity`` tokens meets (``CapturedForward.warm_batches``)."""
         if self.captured is not None:
-            self.captured.warm_batches(self)
+            self.captured.warm_batches(self, rows, capacity)
 
     def eager_view(self) -> "TargetModel":
         """This target on the eager path (the same model and weights): a baseline in the same process."""
@@ -229,14 +241,12 @@ class TargetModel:
         return view
 
     def _captured_for(self, ids: torch.Tensor, cache: Cache, captured: CapturedForward | None):
-        """The compiled forward to use for this call, or None: one sequence on a ``SlabCache``, or in the live-rows
-        layout a batch on a ``BatchSlabCache``, whose buffers exist (a prefill allocates them, and it stays eager;
-        see ``core.capture``)."""
+        """The compiled forward to use for this call, or None: one sequence on a ``SlabCache``, or a batch on a
+        ``BatchSlabCache``, whose buffers exist (a prefill allocates them, and it stays eager; see ``core.capture``)."""
         captured = captured or (self.captured if self.captured is not None and self.captured.ready else None)
         if captured is None or not cache.is_initialized:
             return None
-        one = ids.shape[0] == 1 and isinstance(cache, SlabCache)
-        if not one and not (isinstance(cache, BatchSlabCache) and captured.layout == "live"):
+        if not (ids.shape[0] == 1 and isinstance(cache, SlabCache) or isinstance(cache, BatchSlabCache)):
             return None
         if self.taps and captured.split:  # compiled before a drafter asked for more layers: eager has them
             return None
@@ -279,7 +289,13 @@ class TargetModel:
     def _forward_captured(self, run: CapturedForward, args: dict, cache: Cache, keep: int):
         """``forward_rows`` on the compiled forward ``run``; ``args`` on the device. No hook inside a graph: the
         last hidden state is the final norm's output."""
-        n, device = args["input_ids"].shape[1], args["input_ids"].device
+        rows, n = args["input_ids"].shape
+        device = args["input_ids"].device
+        if isinstance(cache, BatchSlabCache) and run.layout == "buffer":  # padded to buckets, over whole buffers
+            with cache.whole(args["input_ids"], args["position_ids"], args["attention_mask"], self.dtype) as padded:
+                logits, feats, out = run(0, **{**args, **padded}, **cache_kwarg(run.module, cache))
+            logits = logits[:rows, :n]
+            return (logits[:, -keep:] if keep else logits), self._features(feats, out)[:rows, :n]
         if isinstance(cache, BatchSlabCache):  # the live rows, each row's writes planned outside the graph
             with cache.planned(n, device):
                 logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
