@@ -104,8 +104,8 @@ class CapturedDraft:
         past, n = cache.get_seq_length(), feats.shape[1]
         try:
             if self.layout != "buffer":
-                cache.reserve(n)  # a buffer grows outside the graph, never in it
-                return self.step(feats, tokens, positions, mask, cache)
+                with cache.appending(n):  # room made and lengths moved outside the graph, never in it
+                    return self.step(feats, tokens, positions, mask, cache)
             with cache.slots(n, mask, mask.dtype, feats.device) as whole:
                 return run_graph(self.step, self.graphs, feats, tokens, positions, whole, cache)
         except Exception as e:  # noqa: BLE001 - whatever broke the graph: draft on eagerly, saying why

@@ -173,6 +173,31 @@ def test_slots_move_the_length_only_after_a_forward_that_ran():
     assert cache.get_seq_length() == 5 and cache.layers[0].slots is None
 
 
+def test_appending_moves_nothing_inside_the_forward_and_the_lengths_after_it():
+    """Inside ``appending`` every layer writes at the one shared span and returns views to its end, while no
+    attribute of a layer changes (a compiled graph would replay each after every call); the lengths and views move
+    after a forward that ran, not after one that failed; the buffer has room before the forward, never in it."""
+    cache = SlabCache(2, 4)
+    for i in range(2):
+        cache.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2), i)
+    before = [dict(vars(layer)) for layer in cache.layers]
+    with cache.appending(2):
+        assert cache.capacity > 5  # grown before the forward (with one to spare)
+        grown = [dict(vars(layer)) for layer in cache.layers]
+        for i, layer in enumerate(cache.layers):
+            keys, values = cache.update(torch.full((1, 1, 2, 2), 5.0 + i), torch.zeros(1, 1, 2, 2), i)
+            assert keys.shape[2] == values.shape[2] == 5
+            assert all(vars(layer)[k] is v for k, v in grown[i].items())  # not one attribute set
+        assert cache.get_seq_length() == 3
+    for i, layer in enumerate(cache.layers):
+        assert layer.length == 5 and layer.span is None and layer.keys[0, 0, :, 0].tolist() == [1, 1, 1, 5 + i, 5 + i]
+    with pytest.raises(RuntimeError), cache.appending(1):
+        cache.update(torch.full((1, 1, 1, 2), 9.0), torch.zeros(1, 1, 1, 2), 0)
+        raise RuntimeError("the forward failed")
+    assert cache.get_seq_length() == 5 and all(layer.span is None for layer in cache.layers)
+    assert before[0]["_keys"] is not cache.layers[0]._keys  # it grew once, outside
+
+
 def test_static_caches_take_the_buffers_of_those_gone_layer_by_layer(monkeypatch):
     """What keeps CUDA graphs replaying across decodes: a static cache's layer takes the pair its index held last
     in a cache that grew or is gone (zeroed), so its buffers sit at the addresses a graph recorded; a cache alive

@@ -144,11 +144,11 @@ class BatchSlabLayer(DynamicLayer):
             heads = torch.arange(key_states.shape[1], device=self.device)[None, :, None]
             self._keys[which, heads, plan.where[:, None]] = key_states
             self._values[which, heads, plan.where[:, None]] = value_states
+            # no attribute set here: inside a graph each would be replayed after every call (``SlabCache.appending``);
+            # the plan's end sets the views
             if plan.end is None:  # the whole-buffer layout: every position, the mask hides what is not live
-                self.keys, self.values = self._keys[:b], self._values[:b]
-            else:
-                self.keys, self.values = self._keys[:b, :, : plan.end], self._values[:b, :, : plan.end]
-            return self.keys, self.values
+                return self._keys[:b], self._values[:b]
+            return self._keys[:b, :, : plan.end], self._values[:b, :, : plan.end]
         if b != self.rows.active:
             raise ValueError(f"a forward of {b} rows over a cache with {self.rows.active} live ones")
         starts = self.rows.lengths
@@ -258,6 +258,10 @@ class BatchSlabCache(Cache):
             yield
         finally:
             self.rows.plan = None
+            live, reach = self.active, end if end is not None else self.get_seq_length() + where.shape[1]
+            for layer in self.layers:  # as an eager forward leaves them: every live row, to the forward's end
+                if layer.is_initialized:
+                    layer.keys, layer.values = layer._keys[:live, :, :reach], layer._values[:live, :, :reach]
 
     @contextlib.contextmanager
     def planned(self, n: int, device: torch.device):

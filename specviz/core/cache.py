@@ -12,7 +12,9 @@ every forward, and a tree commit had to gather the whole context again. Here eac
 - ``SlabCache.keep(past, rows)`` moves the verify rows that were accepted to ``past, past+1, ...``: O(accepted),
   whatever the context;
 - a write past ``capacity`` doubles the buffer (amortised O(1) per row), so a decode that outgrows its
-  estimate is slower once, never wrong.
+  estimate is slower once, never wrong;
+- ``appending(n)`` (a compiled forward over the live rows: ``core.capture``) has every layer write at one shared
+  span and change none of its attributes inside the graph; the lengths move after it.
 
 **The whole-buffer layout** (``SlabCache.slots``, what a CUDA graph needs: ``core.capture``): while the cache holds
 a slot tensor, ``update`` writes the new rows at those slots and returns the whole buffers, so every tensor in the
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch._dynamo
@@ -39,6 +42,14 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 from .transfer import to_device
+
+
+@dataclass(frozen=True)
+class Span:
+    """Rows ``[start, end)`` one forward writes into every layer (``SlabCache.appending``)."""
+
+    start: int
+    end: int
 
 
 class BufferPool:
@@ -95,6 +106,7 @@ class SlabLayer(DynamicLayer):
         self._keys: torch.Tensor | None = None  # the buffers; ``keys``/``values`` are views of their live rows
         self._values: torch.Tensor | None = None
         self.slots: torch.Tensor | None = None  # set by ``SlabCache.slots``: the whole-buffer layout for one forward
+        self.span: Span | None = None  # set by ``SlabCache.appending``: one forward's rows, the length moved after
         self.static = False  # the buffers' addresses are fixed inputs of a CUDA graph (``SlabCache(static=True)``)
         self.index = 0  # the decoder layer's, which a static buffer is pooled under
         self._held: list = []  # a static layer's (pool key, buffer pair), its current pair last
@@ -149,6 +161,11 @@ class SlabLayer(DynamicLayer):
             self._keys.index_copy_(2, self.slots, key_states)
             self._values.index_copy_(2, self.slots, value_states)
             return self._keys, self._values
+        if self.span is not None:  # a compiled forward: no attribute of the layer changes inside the graph
+            start, end = self.span.start, self.span.end
+            self._keys[:, :, start: end] = key_states
+            self._values[:, :, start: end] = value_states
+            return self._keys[:, :, :end], self._values[:, :, :end]
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             self._grow(end)
@@ -222,6 +239,27 @@ class SlabCache(Cache):
                 layer.slots = None
         for layer in self.layers:  # the forward ran: its rows are live
             layer.length = past + n
+            layer._view()
+
+    @contextlib.contextmanager
+    def appending(self, n: int):
+        """One forward of ``n`` rows after the live ones whose layers change no attribute while it runs: every layer
+        writes them at the span this holds and returns views to its end, and the lengths move once the forward is
+        done (not where it failed). Inside a compiled graph, an attribute set by a layer is replayed after every call
+        (each layer's length and views: a hundred Python objects a forward), and each layer's own length is an input
+        of its own; one span shared by every layer is one."""
+        self.reserve(n)
+        past = self.get_seq_length()
+        span = Span(past, past + n)
+        for layer in self.layers:
+            layer.span = span
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.span = None
+        for layer in self.layers:
+            layer.length = span.end
             layer._view()
 
     def reserve(self, rows: int) -> None:

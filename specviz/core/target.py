@@ -301,8 +301,8 @@ class TargetModel:
                 logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
             return logits, self._features(feats, out)
         if run.layout != "buffer":
-            cache.reserve(n)
-            logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
+            with cache.appending(n):  # the layers' lengths move after the graph, not inside it
+                logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
             return logits, self._features(feats, out)
         with cache.slots(n, args["attention_mask"], self.dtype, device) as mask:  # attention over the whole buffer
             logits, feats, out = run(keep, **{**args, "attention_mask": mask}, **cache_kwarg(run.module, cache))
