@@ -174,7 +174,7 @@ def test_slots_move_the_length_only_after_a_forward_that_ran():
 
 
 def test_appending_moves_nothing_inside_the_forward_and_the_lengths_after_it():
-    """Inside ``appending`` every layer writes at the one shared span and returns views to its end, while no
+    """Inside ``appending`` every layer writes at the cache's one span and returns views to its end, while no
     attribute of a layer changes (a compiled graph would replay each after every call); the lengths and views move
     after a forward that ran, not after one that failed; the buffer has room before the forward, never in it."""
     cache = SlabCache(2, 4)
@@ -190,11 +190,11 @@ def test_appending_moves_nothing_inside_the_forward_and_the_lengths_after_it():
             assert all(vars(layer)[k] is v for k, v in grown[i].items())  # not one attribute set
         assert cache.get_seq_length() == 3
     for i, layer in enumerate(cache.layers):
-        assert layer.length == 5 and layer.span is None and layer.keys[0, 0, :, 0].tolist() == [1, 1, 1, 5 + i, 5 + i]
+        assert layer.length == 5 and cache.span is None and layer.keys[0, 0, :, 0].tolist() == [1, 1, 1, 5 + i, 5 + i]
     with pytest.raises(RuntimeError), cache.appending(1):
         cache.update(torch.full((1, 1, 1, 2), 9.0), torch.zeros(1, 1, 1, 2), 0)
         raise RuntimeError("the forward failed")
-    assert cache.get_seq_length() == 5 and all(layer.span is None for layer in cache.layers)
+    assert cache.get_seq_length() == 5 and cache.span is None
     assert before[0]["_keys"] is not cache.layers[0]._keys  # it grew once, outside
 
 

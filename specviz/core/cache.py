@@ -13,8 +13,8 @@ every forward, and a tree commit had to gather the whole context again. Here eac
   whatever the context;
 - a write past ``capacity`` doubles the buffer (amortised O(1) per row), so a decode that outgrows its
   estimate is slower once, never wrong;
-- ``appending(n)`` (a compiled forward over the live rows: ``core.capture``) has every layer write at one shared
-  span and change none of its attributes inside the graph; the lengths move after it.
+- ``appending(n)`` (a compiled forward over the live rows: ``core.capture``) has every layer write at the cache's
+  one span and change none of its attributes inside the graph; the lengths move after it.
 
 **The whole-buffer layout** (``SlabCache.slots``, what a CUDA graph needs: ``core.capture``): while the cache holds
 a slot tensor, ``update`` writes the new rows at those slots and returns the whole buffers, so every tensor in the
@@ -106,7 +106,6 @@ class SlabLayer(DynamicLayer):
         self._keys: torch.Tensor | None = None  # the buffers; ``keys``/``values`` are views of their live rows
         self._values: torch.Tensor | None = None
         self.slots: torch.Tensor | None = None  # set by ``SlabCache.slots``: the whole-buffer layout for one forward
-        self.span: Span | None = None  # set by ``SlabCache.appending``: one forward's rows, the length moved after
         self.static = False  # the buffers' addresses are fixed inputs of a CUDA graph (``SlabCache(static=True)``)
         self.index = 0  # the decoder layer's, which a static buffer is pooled under
         self._held: list = []  # a static layer's (pool key, buffer pair), its current pair last
@@ -161,11 +160,6 @@ class SlabLayer(DynamicLayer):
             self._keys.index_copy_(2, self.slots, key_states)
             self._values.index_copy_(2, self.slots, value_states)
             return self._keys, self._values
-        if self.span is not None:  # a compiled forward: no attribute of the layer changes inside the graph
-            start, end = self.span.start, self.span.end
-            self._keys[:, :, start: end] = key_states
-            self._values[:, :, start: end] = value_states
-            return self._keys[:, :, :end], self._values[:, :, :end]
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             self._grow(end)
@@ -174,6 +168,12 @@ class SlabLayer(DynamicLayer):
         self.length = end
         self._view()
         return self.keys, self.values
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, span: "Span"):
+        """``update`` inside ``SlabCache.appending``: the new rows at ``span``, views to its end, no attribute set."""
+        self._keys[:, :, span.start: span.end] = key_states
+        self._values[:, :, span.start: span.end] = value_states
+        return self._keys[:, :, : span.end], self._values[:, :, : span.end]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -213,6 +213,7 @@ class SlabCache(Cache):
 
     def __init__(self, num_layers: int, capacity: int = 256, static: bool = False):
         super().__init__(layers=[SlabLayer(capacity) for _ in range(num_layers)])
+        self.span: Span | None = None  # set by ``appending``: one forward's rows in every layer
         for i, layer in enumerate(self.layers):
             layer.static, layer.index = static, i
 
@@ -247,20 +248,24 @@ class SlabCache(Cache):
         writes them at the span this holds and returns views to its end, and the lengths move once the forward is
         done (not where it failed). Inside a compiled graph, an attribute set by a layer is replayed after every call
         (each layer's length and views: a hundred Python objects a forward), and each layer's own length is an input
-        of its own; one span shared by every layer is one."""
+        of its own; the cache's one span is one."""
         self.reserve(n)
         past = self.get_seq_length()
-        span = Span(past, past + n)
-        for layer in self.layers:
-            layer.span = span
+        self.span = span = Span(past, past + n)
         try:
             yield
         finally:
-            for layer in self.layers:
-                layer.span = None
+            self.span = None
         for layer in self.layers:
             layer.length = span.end
             layer._view()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' ``Cache.update``; inside ``appending`` every layer writes at the cache's one span (read
+        from the cache, not from each layer: one number in a graph's inputs, not one per layer)."""
+        if self.span is not None:
+            return self.layers[layer_idx].write(key_states, value_states, self.span)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more rows in every layer now, and one to spare, so a compiled forward never grows a
