@@ -24,13 +24,31 @@ from specviz.core.target import TargetModel, cache_kwarg
 VOCAB = 64
 
 
-@pytest.fixture(scope="module", params=["live", "buffer"])
-def compiled(tiny_llama, request):
+LAYOUTS = ["live", "buffer"]
+
+
+def compiled_in(tiny_llama, layout: str) -> TargetModel:
     """A tiny target prepared as ``load_target`` prepares one (grouped heads, packed layers), compiled in the
     live-rows layout (the CPU's) or the whole-buffer one (CUDA's, here without graphs)."""
     target = TargetModel(prepare(tiny_llama(vocab_size=VOCAB, seed=3, max_positions=320), pack=True))
-    assert target.use_engine("compiled", layout=request.param).path == "compiled"
+    assert target.use_engine("compiled", layout=layout).path == "compiled"
     return target
+
+
+@pytest.fixture(scope="module")
+def live(tiny_llama):
+    return compiled_in(tiny_llama, "live")
+
+
+@pytest.fixture(scope="module")
+def buffer(tiny_llama):
+    return compiled_in(tiny_llama, "buffer")
+
+
+@pytest.fixture
+def compiled(request):
+    """The module's target in the layout a test's parameter names (each compiled once for the module)."""
+    return request.getfixturevalue(request.param)
 
 
 def counting_compiled_calls(target: TargetModel) -> list[int]:
@@ -46,6 +64,7 @@ def counting_compiled_calls(target: TargetModel) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("compiled", LAYOUTS, indirect=True)
 def test_a_compiled_batch_verify_equals_each_rows_own_forward(compiled):
     """Three rows of different contexts verify trees of 5, 1 and 9 nodes in one compiled forward; each row's
     logits are its own sequence's verify on a one-sequence cache (the eager path's), and a commit that moves
@@ -65,9 +84,13 @@ def test_a_compiled_batch_verify_equals_each_rows_own_forward(compiled):
             torch.testing.assert_close(mine.keys[b, :, : past + len(keep)], own.keys[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("method, settings", [("ar", {}), ("skip", dict(layers=1, num_tokens=3)),
-                                               ("eagle2", {}), ("redrafter", dict(width=3, length=3))],
-                         ids=["ar", "skip", "eagle2", "redrafter"])
+# the whole-buffer layout with the trained drafters: trees padded to a bucket of entries as well as rows padded to
+# one, and lanes that accept unevenly; AR and chains there add time, not cases
+@pytest.mark.parametrize("compiled, method, settings", [
+    ("live", "ar", {}), ("live", "skip", dict(layers=1, num_tokens=3)), ("live", "eagle2", {}),
+    ("live", "redrafter", dict(width=3, length=3)), ("buffer", "eagle2", {}),
+    ("buffer", "redrafter", dict(width=3, length=3))], indirect=["compiled"],
+    ids=["live-ar", "live-skip", "live-eagle2", "live-redrafter", "buffer-eagle2", "buffer-redrafter"])
 def test_every_sequence_of_a_compiled_batch_equals_its_own_decode(compiled, method, settings, ref_greedy):
     """As ``test_batch``'s exactness test, on the compiled path: sequences of different lengths and limits, ones
     ending early and others joining, each equal to its batch-1 decode and to plain greedy decoding; the
