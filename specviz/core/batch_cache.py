@@ -296,8 +296,8 @@ class BatchSlabCache(Cache):
         full = torch.full((padded, 1, width, capacity), torch.finfo(dtype).min, dtype=dtype, device=device)
         full[:rows, :, :n, : mask.shape[-1]] = mask.to(device=device, dtype=dtype)
         full[at[0], 0, at[1], where[at]] = 0  # a filler entry sees only itself: no softmax row is empty (NaN)
-        grid = torch.zeros(padded, width, dtype=ids.dtype, device=device)
-        args = dict(input_ids=grid.clone(), position_ids=grid.clone(), attention_mask=full)
+        args = dict(input_ids=ids.new_zeros(padded, width), position_ids=positions.new_zeros(padded, width),
+                    attention_mask=full)
         args["input_ids"][:rows, :n] = ids
         args["position_ids"][:rows, :n] = positions
         with self._plan(where, None):

@@ -63,6 +63,7 @@ import torch
 import torch._dynamo
 from torch.utils._pytree import tree_map_only
 
+from .batch_cache import bucket
 from .files import cache_dir
 from .grouping import GroupPass
 from .head import refined
@@ -288,8 +289,6 @@ class CapturedForward:
         where the path is not ready; a failure leaves the target eager, saying why."""
         if not self.ready:
             return
-        from .batch_cache import bucket
-
         sizes = [(r, n) for r in (1, 2) for n in (1, 2)]
         if self.graphs:
             sizes = [(1 << i, 1 << j) for i in range(bucket(rows).bit_length())

@@ -58,6 +58,12 @@ def _cache_name(module_type: type) -> str:
     return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
 
 
+def graph_capacity(capacity: int) -> int:
+    """A static cache's capacity: a power of two, 256 at least. A CUDA graph is recorded per capacity, so a few
+    sizes serve every decode."""
+    return max(256, bucket(capacity))
+
+
 def cache_kwarg(module: torch.nn.Module, cache) -> dict:
     """``cache`` as the keyword ``module.forward`` takes: transformers 5.24 renamed ``past_key_values``
     to ``cache`` (the old name is dropped in 5.40, where a module taking ``**kwargs`` would ignore it)."""
@@ -175,8 +181,8 @@ class TargetModel:
         ``static`` (None: where this target's forwards replay as CUDA graphs): buffers at fixed addresses."""
         if static is None:
             static = self.captured is not None and self.captured.graphs
-        if static:  # a CUDA graph is recorded per capacity: a few sizes serve every decode
-            capacity = 1 << max(8, (capacity - 1).bit_length())
+        if static:
+            capacity = graph_capacity(capacity)
         return cache_for_model(self.config, capacity, static)
 
     def new_batch_cache(self, batch: int, capacity: int) -> BatchSlabCache:
@@ -187,7 +193,7 @@ class TargetModel:
         if self.captured is not None and self.captured.layout == "buffer":  # its forwards pad rows to a bucket
             batch = bucket(batch)
         if static:
-            capacity = 1 << max(8, (capacity - 1).bit_length())
+            capacity = graph_capacity(capacity)
         return BatchSlabCache(self.num_layers, batch, capacity, static)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Cache,
