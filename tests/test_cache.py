@@ -49,13 +49,15 @@ def commit_rounds(target, cache, rng: random.Random, context: int, ref_logits, r
     return seq
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["store", "per-layer"])
 @pytest.mark.parametrize("context,capacity", [(1, 256), (9, 4), (120, 16), (230, 256)])
-def test_commits_keep_exactly_the_accepted_rows(context, capacity, tiny_target, ref_logits):
+def test_commits_keep_exactly_the_accepted_rows(context, capacity, shared, tiny_target, ref_logits):
     """Rounds of random trees and paths after ``context`` tokens, on a slab that starts at ``capacity`` rows
-    (small ones grow during the decode): every verify's logits equal a cache-free forward over the committed
-    sequence, and the cache's live rows equal those of a fresh prefill over it."""
+    (small ones grow during the decode), its layers' buffers slices of one store or their own: every verify's
+    logits equal a cache-free forward over the committed sequence, and the cache's live rows equal those of a
+    fresh prefill over it."""
     target = tiny_target(vocab_size=48, seed=context, max_positions=320)
-    cache = target.new_cache(capacity)
+    cache = for_model(target.config, capacity, shared=shared)
     assert isinstance(cache, SlabCache)
     seq = commit_rounds(target, cache, random.Random(context), context, ref_logits)
     fresh = DynamicCache(config=target.config)
@@ -64,6 +66,30 @@ def test_commits_keep_exactly_the_accepted_rows(context, capacity, tiny_target, 
         torch.testing.assert_close(slab.keys, dense.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(slab.values, dense.values, atol=1e-5, rtol=1e-5)
     assert max(layer.capacity for layer in cache.layers) >= len(seq)
+    assert cache.stored == shared and isinstance(target.new_cache(), SlabCache) and target.new_cache().layers[0].owner
+    if shared:  # every layer's buffers are slices of the store, which grew with them
+        assert all(layer._keys.data_ptr() == cache.store[0][i].data_ptr() for i, layer in enumerate(cache.layers))
+
+
+def test_a_layer_unlike_the_first_gets_buffers_of_its_own():
+    """A shared cache whose second layer's entries are shaped otherwise (other heads, as in some models): that layer
+    keeps buffers of its own, the cache writes layer by layer, and every layer still holds exactly its rows through
+    a forward under ``appending`` and a commit."""
+    cache = SlabCache(2, 4, shared=True)
+    shapes = [(1, 2, 3, 4), (1, 1, 3, 8)]
+    with torch.inference_mode():
+        for i, shape in enumerate(shapes):
+            cache.update(torch.full(shape, i + 1.0), torch.full(shape, -i - 1.0), i)
+        assert cache.layers[0].shared and not cache.layers[1].shared and not cache.stored
+        with cache.appending(2):
+            for i, shape in enumerate(shapes):
+                new = torch.arange(2.0).view(1, 1, 2, 1).expand(*shape[:2], 2, shape[-1]) + 10 * (i + 1)
+                keys, values = cache.update(new, -new, i)
+                assert keys.shape[1:] == (shape[1], 5, shape[-1])
+        cache.keep(3, [1])
+    for i, layer in enumerate(cache.layers):
+        assert layer.keys[0, 0, :, 0].tolist() == [i + 1.0] * 3 + [10 * (i + 1) + 1.0]
+        assert layer.values[0, -1, :, -1].tolist() == [-i - 1.0] * 3 + [-10 * (i + 1) - 1.0]
 
 
 def test_a_slab_and_a_dynamic_cache_decode_alike(tiny_target):
@@ -152,12 +178,13 @@ def test_the_whole_buffer_layout_commits_exactly_the_accepted_rows(context, capa
         torch.testing.assert_close(slab.keys, dense.keys, atol=1e-5, rtol=1e-5)
 
 
-def test_slots_move_the_length_only_after_a_forward_that_ran():
+@pytest.mark.parametrize("shared", [True, False], ids=["store", "per-layer"])
+def test_slots_move_the_length_only_after_a_forward_that_ran(shared):
     """Inside ``slots`` the length stands still, ``update`` returns whole buffers and the mask handed to the forward
     covers the whole buffer, hiding every row past the live ones and the new; the length moves by n after, not when
     the forward fails."""
     cpu, low = torch.device("cpu"), torch.finfo(torch.float32).min
-    cache = SlabCache(1, 8)
+    cache = SlabCache(1, 8, shared=shared)
     cache.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2), 0)
     with cache.slots(2, None, torch.float32, cpu) as mask:
         keys, _ = cache.update(torch.full((1, 1, 2, 2), 5.0), torch.zeros(1, 1, 2, 2), 0)
@@ -170,24 +197,30 @@ def test_slots_move_the_length_only_after_a_forward_that_ran():
         assert mask.shape == (1, 1, 2, cache.capacity) and bool((mask[..., 7:] == low).all())
         assert mask[0, 0, 0, :7].tolist() == tree[0, 0, 0].tolist()
         raise RuntimeError("the forward failed")
-    assert cache.get_seq_length() == 5 and cache.layers[0].slots is None
+    assert cache.get_seq_length() == 5 and cache.at is None
 
 
-def test_appending_moves_nothing_inside_the_forward_and_the_lengths_after_it():
-    """Inside ``appending`` every layer writes at the cache's one span and returns views to its end, while no
-    attribute of a layer changes (a compiled graph would replay each after every call); the lengths and views move
-    after a forward that ran, not after one that failed; the buffer has room before the forward, never in it."""
-    cache = SlabCache(2, 4)
+@pytest.mark.parametrize("shared", [True, False], ids=["store", "per-layer"])
+def test_appending_moves_nothing_inside_the_forward_and_the_lengths_after_it(shared):
+    """Inside ``appending`` every layer writes at the cache's one span and returns views to its end (of the store,
+    where the layers share one), while no attribute of a layer or of the cache changes (a compiled graph would
+    replay each after every call); the lengths and views move after a forward that ran, not after one that failed;
+    the buffer has room before the forward, never in it."""
+    cache = SlabCache(2, 4, shared=shared)
     for i in range(2):
         cache.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2), i)
     before = [dict(vars(layer)) for layer in cache.layers]
     with cache.appending(2):
         assert cache.capacity > 5  # grown before the forward (with one to spare)
         grown = [dict(vars(layer)) for layer in cache.layers]
+        owned = dict(vars(cache))
         for i, layer in enumerate(cache.layers):
             keys, values = cache.update(torch.full((1, 1, 2, 2), 5.0 + i), torch.zeros(1, 1, 2, 2), i)
             assert keys.shape[2] == values.shape[2] == 5
             assert all(vars(layer)[k] is v for k, v in grown[i].items())  # not one attribute set
+            assert all(vars(cache)[k] is v for k, v in owned.items())
+            base = cache.store[0] if shared else layer._keys
+            assert keys.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
         assert cache.get_seq_length() == 3
     for i, layer in enumerate(cache.layers):
         assert layer.length == 5 and cache.span is None and layer.keys[0, 0, :, 0].tolist() == [1, 1, 1, 5 + i, 5 + i]
@@ -198,29 +231,30 @@ def test_appending_moves_nothing_inside_the_forward_and_the_lengths_after_it():
     assert before[0]["_keys"] is not cache.layers[0]._keys  # it grew once, outside
 
 
-def test_static_caches_take_the_buffers_of_those_gone_layer_by_layer(monkeypatch):
-    """What keeps CUDA graphs replaying across decodes: a static cache's layer takes the pair its index held last
-    in a cache that grew or is gone (zeroed), so its buffers sit at the addresses a graph recorded; a cache alive
-    keeps its own, and a cache that is not static never pools."""
-    import specviz.core.cache as cache_module
+@pytest.mark.parametrize("shared", [True, False], ids=["store", "per-layer"])
+def test_static_caches_take_the_buffers_of_those_gone_layer_by_layer(shared, monkeypatch):
+    """What keeps CUDA graphs replaying across decodes: a static cache's layer takes the buffers its index held last
+    in a cache that grew or is gone (zeroed; a shared cache takes the whole store), so its buffers sit at the
+    addresses a graph recorded; a cache alive keeps its own, and a cache that is not static never pools."""
+    import specviz.core.pool as pool
 
-    monkeypatch.setattr(cache_module, "POOL", cache_module.BufferPool())
+    monkeypatch.setattr(pool, "POOL", pool.BufferPool())
 
     def fill(cache, rows):
         for i in range(len(cache.layers)):
             cache.update(torch.full((1, 2, rows, 4), i + 1.0), torch.ones(1, 2, rows, 4), i)
         return [layer._keys.data_ptr() for layer in cache.layers]
 
-    first = SlabCache(2, 8, static=True)
+    first = SlabCache(2, 8, static=True, shared=shared)
     small = fill(first, 3)
     grown = fill(first, 7)  # 10 rows: each layer grows to 16, and its 8-row pair goes back
     assert grown != small and first.layers[1].keys[0, 0, :, 0].tolist() == [2.0] * 10
-    second = SlabCache(2, 8, static=True)
+    second = SlabCache(2, 8, static=True, shared=shared)
     assert fill(second, 1) == small  # layer by layer, not swapped
     assert second.layers[1]._keys[:, :, 1:].abs().sum() == 0  # the last owner's rows are gone
-    assert fill(SlabCache(2, 16, static=True), 1) != grown  # ``first`` is alive: its pairs are its own
+    assert fill(SlabCache(2, 16, static=True, shared=shared), 1) != grown  # ``first`` is alive: its pairs are its own
     del first
-    assert fill(SlabCache(2, 16, static=True), 1) == grown
-    plain = SlabCache(2, 8)
+    assert fill(SlabCache(2, 16, static=True, shared=shared), 1) == grown
+    plain = SlabCache(2, 8, shared=shared)
     fill(plain, 1)
-    assert all(not layer._held for layer in plain.layers)
+    assert not plain._held and all(not layer._held for layer in plain.layers)

@@ -140,7 +140,7 @@ def test_cuda_graphs_decode_as_the_eager_gpu_path(greedy_on_the_cpu):
     for (p, n), greedy in zip(CASES, greedy_on_the_cpu):
         for drafter in (build("ar", gpu), build("pld", gpu), RandomTreeDrafter(p, greedy, seed=3)):
             assert run(gpu, drafter, p, n, stop_on_eos=False).output_ids == greedy
-        small = for_model(gpu.config, 8, static=True)  # grows twice during the decode
+        small = for_model(gpu.config, 8, static=True, shared=True)  # grows twice during the decode
         records = generate(gpu, RandomTreeDrafter(p, greedy, seed=4), p, n, stop_on_eos=False, cache=small)
         assert [t for r in records for t in r.tokens] == greedy
         assert small.capacity > 8

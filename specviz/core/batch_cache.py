@@ -21,9 +21,8 @@ of every live row, as views: the caller's 4D mask (``core.batch``) hides from ea
   buckets and the capacity only, never on the rows' lengths. A filler entry (a padding row, or a padding entry
   of a real row) is written after its row's live positions, where nothing reads it, and sees only itself.
 
-A ``static`` cache (the buffers' addresses are fixed inputs of CUDA graphs) takes its buffers from ``core.cache``'s
-pool, as ``SlabCache(static=True)`` does, so that the next decode of the same shape replays the graphs recorded for
-this one.
+A ``static`` cache (the buffers' addresses are fixed inputs of CUDA graphs) takes its buffers from ``core.pool``, as
+``SlabCache(static=True)`` does, so that the next decode of the same shape replays the graphs recorded for this one.
 
 Invariant: rows ``[0, active)`` are live; row r's positions ``[0, lengths[r])`` are its committed sequence,
 in order; everything else is stale and never read. The buffers start at the batch's row count and the
@@ -40,7 +39,7 @@ import torch._dynamo
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
-from .cache import POOL, pooled_pair
+from . import pool
 from .transfer import to_device
 
 
@@ -110,7 +109,7 @@ class BatchSlabLayer(DynamicLayer):
 
         if not self.static:
             return make()
-        return pooled_pair(self, ("batch", self.index, shape, like.dtype, like.device), make)
+        return pool.pooled_pair(self, ("batch", self.index, shape, like.dtype, like.device), make)
 
     def _mark_dynamic(self) -> None:
         """Rows and capacity vary between caches: a compiled forward keeps one graph for all (a size it took as
@@ -128,7 +127,7 @@ class BatchSlabLayer(DynamicLayer):
         for new, before in zip((self._keys, self._values), old):
             new[: before.shape[0], :, : before.shape[2]] = before
         if self.static:
-            POOL.give_back(self._held, keep_last=True)
+            pool.give_back(self._held, keep_last=True)
         self.batch, self.capacity = batch, capacity
         self._mark_dynamic()
 

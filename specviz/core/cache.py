@@ -2,8 +2,10 @@
 accepted rows (gpt-fast's static cache, with ml-recurrent-drafter's in-place commit).
 
 transformers' ``DynamicCache`` grows by concatenation, which copies the whole context into a new tensor on
-every forward, and a tree commit had to gather the whole context again. Here each layer owns one buffer
-``[batch, kv_heads, capacity, head_dim]`` per keys and values, allocated at the first write:
+every forward, and a tree commit had to gather the whole context again. Here each layer has one buffer
+``[batch, kv_heads, capacity, head_dim]`` per keys and values, allocated at the first write; in a shared cache (what
+the target makes) these are slices of one store per keys and values, ``[layers, batch, kv_heads, capacity,
+head_dim]``, which grows, commits and enters a compiled graph as one tensor:
 
 - ``update`` (what attention calls) copies the new rows in at ``length`` and returns views of the first
   ``length + n`` rows: attention reads exactly the live context, as with a dynamic cache, so the masks
@@ -17,10 +19,10 @@ every forward, and a tree commit had to gather the whole context again. Here eac
   one span and change none of its attributes inside the graph; the lengths move after it.
 
 **The whole-buffer layout** (``SlabCache.slots``, what a CUDA graph needs: ``core.capture``): while the cache holds
-a slot tensor, ``update`` writes the new rows at those slots and returns the whole buffers, so every tensor in the
-forward has a shape fixed by the capacity, not by the context; ``slots`` hands the forward its mask padded to the
-capacity (every row past the live ones hidden), and the length moves once the forward is done. Buffers start
-zeroed, so a hidden row is never NaN (a masked weight of zero times NaN is still NaN).
+a slot tensor (``at``), ``update`` writes the new rows at those slots and returns the whole buffers, so every
+tensor in the forward has a shape fixed by the capacity, not by the context; ``slots`` hands the forward its mask
+padded to the capacity (every row past the live ones hidden), and the length moves once the forward is done.
+Buffers start zeroed, so a hidden row is never NaN (a masked weight of zero times NaN is still NaN).
 
 Invariant: rows ``[0, length)`` of every layer hold the keys and values of the committed sequence, in
 order; rows at or after ``length`` are stale and never read.
@@ -32,7 +34,6 @@ gets transformers' own ``DynamicCache`` (``for_model``), and a tree commit there
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ import torch._dynamo
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
+from . import pool
 from .transfer import to_device
 
 
@@ -52,52 +54,9 @@ class Span:
     end: int
 
 
-class BufferPool:
-    """The buffer pairs of static caches' layers that are gone or grew, kept for the next cache: the next decode's
-    layer i takes the pair layer i held last, so CUDA graphs find their inputs at the addresses they recorded with
-    and replay, rather than record anew at each decode (inductor records again on a new address, up to a limit, then
-    stops replaying that graph). Decodes that run at the same time hold pairs of their own. Pairs are kept for the
-    process: as many as the most static caches alive at once needed, per capacity."""
-
-    def __init__(self):
-        self._free: dict[tuple, list] = {}
-        self._lock = threading.Lock()
-
-    def take(self, key: tuple, make) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._lock:
-            free = self._free.get(key)
-            pair = free.pop() if free else None
-        if pair is None:
-            return make()
-        with torch.inference_mode():  # a pair made by a forward is an inference tensor
-            for buffer in pair:
-                buffer.zero_()
-        return pair
-
-    def give_back(self, held: list, keep_last: bool = False) -> None:
-        """``held``: a layer's (key, pair) records, oldest first; each goes back (but the newest with ``keep_last``)."""
-        with self._lock:
-            while len(held) > keep_last:
-                key, pair = held.pop(0)
-                self._free.setdefault(key, []).append(pair)
-
-
-POOL = BufferPool()
-
-
-def pooled_pair(layer, key: tuple, make) -> tuple[torch.Tensor, torch.Tensor]:
-    """A static layer's buffer pair for ``key`` from ``POOL`` (``make()`` where it holds none), recorded in the
-    layer's ``_held`` list: every pair it held goes back when the layer is gone, and a growth gives the old pair
-    back once its rows are copied (``POOL.give_back(layer._held, keep_last=True)``)."""
-    pair = POOL.take(key, make)
-    if not layer._held:  # the first pair: give back whatever this layer holds when it is gone
-        weakref.finalize(layer, POOL.give_back, layer._held)
-    layer._held.append((key, pair))
-    return pair
-
-
 class SlabLayer(DynamicLayer):
-    """One decoder layer's keys and values in buffers of ``capacity`` rows, ``length`` of them live."""
+    """One decoder layer's keys and values in buffers of ``capacity`` rows, ``length`` of them live: its own, or
+    its slices of the cache's store (``SlabCache(shared=True)``)."""
 
     def __init__(self, capacity: int = 256):
         super().__init__()
@@ -105,61 +64,63 @@ class SlabLayer(DynamicLayer):
         self.length = 0
         self._keys: torch.Tensor | None = None  # the buffers; ``keys``/``values`` are views of their live rows
         self._values: torch.Tensor | None = None
-        self.slots: torch.Tensor | None = None  # set by ``SlabCache.slots``: the whole-buffer layout for one forward
         self.static = False  # the buffers' addresses are fixed inputs of a CUDA graph (``SlabCache(static=True)``)
         self.index = 0  # the decoder layer's, which a static buffer is pooled under
         self._held: list = []  # a static layer's (pool key, buffer pair), its current pair last
+        self.owner: weakref.ref | None = None  # the cache whose store may hold this layer's buffers
+        self.shared = False  # the buffers are slices of the owner's store, which grows for every layer at once
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self._keys, self._values = self._buffers(key_states, value_states, self.capacity)
-        self._mark_dynamic()
+        owner = self.owner() if self.owner is not None else None
+        slices = owner.share(self, key_states, value_states) if owner is not None else None
+        if slices is None:
+            self._keys, self._values = self._buffers(key_states, value_states, self.capacity)
+            self._mark_dynamic()
+        else:
+            self._keys, self._values = slices
+            self.shared = True
         self.is_initialized = True
         self._view()
 
     def _buffers(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed buffers of ``capacity`` rows shaped as ``keys`` and ``values``: new, or for a static cache the pair
-        the pool holds for this layer (``POOL``), which goes back there on growth or when the layer is gone."""
+        the pool holds for this layer (``core.pool``), which goes back there on growth or when the layer is gone."""
         def make():
             return (keys.new_zeros((*keys.shape[:2], capacity, keys.shape[-1])),
                     values.new_zeros((*values.shape[:2], capacity, values.shape[-1])))
 
         if not self.static:
             return make()
-        return pooled_pair(self, (self.index, tuple(keys.shape[:2]), capacity, keys.shape[-1], values.shape[-1],
-                                  keys.dtype, keys.device), make)
+        return pool.pooled_pair(self, (self.index, tuple(keys.shape[:2]), capacity, keys.shape[-1], values.shape[-1],
+                                       keys.dtype, keys.device), make)
 
     def _mark_dynamic(self) -> None:
-        """The buffers' length varies between caches: a compiled forward (``core.capture``) keeps one graph for all.
-        Static buffers are also marked as fixed addresses, so a CUDA graph writes them in place rather than refusing
-        to capture a forward that mutates its inputs (a new buffer, after a growth, is recorded anew)."""
-        for buffer in (self._keys, self._values):
-            torch._dynamo.maybe_mark_dynamic(buffer, 2)
-            if self.static:
-                torch._dynamo.mark_static_address(buffer)
+        mark_dynamic((self._keys, self._values), 2, self.static)
 
     def _view(self) -> None:
         self.keys = self._keys[:, :, : self.length]
         self.values = self._values[:, :, : self.length]
 
     def _grow(self, needed: int) -> None:
+        if self.shared:
+            self.owner().grow(needed)
+            return
         capacity = max(needed, 2 * self.capacity)
         old = self._keys, self._values
         self._keys, self._values = self._buffers(*old, capacity)
         self._keys[:, :, : self.length] = old[0][:, :, : self.length]
         self._values[:, :, : self.length] = old[1][:, :, : self.length]
         if self.static:
-            POOL.give_back(self._held, keep_last=True)
+            pool.give_back(self._held, keep_last=True)
         self.capacity = capacity
         self._mark_dynamic()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """An eager forward's write: the new rows at ``length``, which moves (a compiled forward writes through
+        ``SlabCache.update`` instead, moving nothing)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.slots is not None:  # the whole-buffer layout: written at tensor slots, the length moves after
-            self._keys.index_copy_(2, self.slots, key_states)
-            self._values.index_copy_(2, self.slots, value_states)
-            return self._keys, self._values
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             self._grow(end)
@@ -168,12 +129,6 @@ class SlabLayer(DynamicLayer):
         self.length = end
         self._view()
         return self.keys, self.values
-
-    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, span: "Span"):
-        """``update`` inside ``SlabCache.appending``: the new rows at ``span``, views to its end, no attribute set."""
-        self._keys[:, :, span.start: span.end] = key_states
-        self._values[:, :, span.start: span.end] = value_states
-        return self._keys[:, :, : span.end], self._values[:, :, : span.end]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -189,10 +144,8 @@ class SlabLayer(DynamicLayer):
     @torch.inference_mode()  # the buffers were made by a forward under inference mode
     def keep(self, past: int, index: torch.Tensor) -> None:
         """Keep the rows at ``index`` (absolute, on this layer's device) as ``past, past+1, ...``; drop the rest."""
-        n = index.numel()
-        for buffer in (self._keys, self._values):
-            buffer[:, :, past: past + n] = buffer.index_select(2, index)  # gathered first: sources may overlap
-        self.length = past + n
+        keep_rows((self._keys, self._values), 2, past, index)
+        self.length = past + index.numel()
         self._view()
 
     def reset(self) -> None:
@@ -209,18 +162,78 @@ class SlabLayer(DynamicLayer):
 
 class SlabCache(Cache):
     """A KV cache of ``SlabLayer``s: one per decoder layer, each ``capacity`` rows to start with. ``static``: the
-    buffers are fixed addresses of a CUDA graph (the whole-buffer layout's compiled forward)."""
+    buffers are fixed addresses of a CUDA graph (the whole-buffer layout's compiled forward). ``shared``: every
+    layer's buffers are slices of one store, ``[layers, batch, kv_heads, capacity, head_dim]`` for keys and one for
+    values, so a compiled forward takes two tensors and one capacity as inputs, not two and a capacity per layer
+    (the target shares where its model sits on one device; a layer whose shape, dtype or device differs from the
+    first layer's gets buffers of its own, and the cache then writes layer by layer)."""
 
-    def __init__(self, num_layers: int, capacity: int = 256, static: bool = False):
+    def __init__(self, num_layers: int, capacity: int = 256, static: bool = False, shared: bool = False):
         super().__init__(layers=[SlabLayer(capacity) for _ in range(num_layers)])
         self.span: Span | None = None  # set by ``appending``: one forward's rows in every layer
+        self.at: torch.Tensor | None = None  # set by ``slots``: one forward's rows, as a tensor, in every layer
+        self.store: tuple[torch.Tensor, torch.Tensor] | None = None  # keys, values: [layers, ...] (``shared``)
+        self.mixed = False  # a layer was refused a slice of the store: it has buffers of its own
+        self.static = static
+        self._held: list = []  # the store's (pool key, pair) records, where static
         for i, layer in enumerate(self.layers):
             layer.static, layer.index = static, i
+            layer.owner = weakref.ref(self) if shared else None
 
     @property
     def capacity(self) -> int:
         """Rows every layer holds now (the whole-buffer layout's key length)."""
         return min(layer.capacity for layer in self.layers)
+
+    @property
+    def stored(self) -> bool:
+        """Whether every layer's buffers are slices of the store (so a compiled forward writes through it)."""
+        return self.store is not None and not self.mixed
+
+    def share(self, layer: SlabLayer, keys: torch.Tensor, values: torch.Tensor):
+        """``layer``'s slices of the store, made at the first layer's first write (as that layer's buffers would
+        be); None where the layer's entries are not shaped, typed and placed as the store's."""
+        if self.store is None:
+            self.store = self._stores(keys, values, layer.capacity)
+        store_keys, store_values = self.store
+        if (store_keys.shape[1:3], store_values.shape[1:3], store_keys.shape[-1], store_values.shape[-1]) != (
+                keys.shape[:2], values.shape[:2], keys.shape[-1], values.shape[-1]) or (
+                store_keys.dtype, store_keys.device) != (keys.dtype, keys.device):
+            self.mixed = True
+            return None
+        layer.capacity = store_keys.shape[3]
+        return store_keys[layer.index], store_values[layer.index]
+
+    def _stores(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+        """Zeroed stores for every layer, shaped after one layer's ``keys`` and ``values`` (``SlabLayer._buffers``)."""
+        layers = len(self.layers)
+
+        def make():
+            return (keys.new_zeros((layers, *keys.shape[:2], capacity, keys.shape[-1])),
+                    values.new_zeros((layers, *values.shape[:2], capacity, values.shape[-1])))
+
+        stores = make() if not self.static else pool.pooled_pair(
+            self, ("store", layers, tuple(keys.shape[:2]), capacity, keys.shape[-1], values.shape[-1], keys.dtype,
+                   keys.device), make)
+        mark_dynamic(stores, 3, self.static)
+        return stores
+
+    def grow(self, needed: int) -> None:
+        """A store of ``max(needed, 2 * capacity)`` rows: the live rows copied over (two copies for every layer),
+        each sharing layer's slices moved to it."""
+        old_keys, old_values = self.store
+        live = max(layer.length for layer in self.layers)
+        self.store = self._stores(old_keys[0], old_values[0], max(needed, 2 * old_keys.shape[3]))
+        self.store[0][:, :, :, :live] = old_keys[:, :, :, :live]
+        self.store[1][:, :, :, :live] = old_values[:, :, :, :live]
+        if self.static:
+            pool.give_back(self._held, keep_last=True)
+        for layer in self.layers:
+            if layer.shared or not layer.is_initialized:  # one yet to write takes its slice at this capacity
+                layer.capacity = self.store[0].shape[3]
+            if layer.shared:
+                layer._keys, layer._values = self.store[0][layer.index], self.store[1][layer.index]
+                layer._view()
 
     @contextlib.contextmanager
     def slots(self, n: int, mask: torch.Tensor | None, dtype: torch.dtype, device: torch.device):
@@ -230,17 +243,12 @@ class SlabCache(Cache):
         once the forward is done, not where it failed."""
         past = self.get_seq_length()
         self.reserve(n)  # no growth inside the forward: a graph's buffers keep their shape
-        slots = torch.arange(past, past + n, device=device)
-        for layer in self.layers:
-            layer.slots = slots
+        self.at = torch.arange(past, past + n, device=device)
         try:
             yield buffer_mask(mask, past, n, self.capacity, dtype, device)
         finally:
-            for layer in self.layers:
-                layer.slots = None
-        for layer in self.layers:  # the forward ran: its rows are live
-            layer.length = past + n
-            layer._view()
+            self.at = None
+        self._moved(past + n)
 
     @contextlib.contextmanager
     def appending(self, n: int):
@@ -251,21 +259,52 @@ class SlabCache(Cache):
         of its own; the cache's one span is one."""
         self.reserve(n)
         past = self.get_seq_length()
-        self.span = span = Span(past, past + n)
+        self.span = Span(past, past + n)
         try:
             yield
         finally:
             self.span = None
+        self._moved(past + n)
+
+    def _moved(self, length: int) -> None:
+        """After a forward under ``slots`` or ``appending`` that ran: its rows are live in every layer."""
         for layer in self.layers:
-            layer.length = span.end
+            layer.length = length
             layer._view()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """transformers' ``Cache.update``; inside ``appending`` every layer writes at the cache's one span (read
-        from the cache, not from each layer: one number in a graph's inputs, not one per layer)."""
-        if self.span is not None:
-            return self.layers[layer_idx].write(key_states, value_states, self.span)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        """transformers' ``Cache.update``. Inside ``appending`` or ``slots`` (a compiled forward) the rows go where
+        the cache says, read from the cache and not from each layer, through the store where every layer shares it:
+        one span, or one slot tensor, and two buffers in a graph's inputs, not some per layer; no attribute is set."""
+        if self.span is None and self.at is None:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self.stored:
+            return self._write_store(layer_idx, key_states, value_states)
+        keys, values = self.layers[layer_idx]._keys, self.layers[layer_idx]._values
+        if self.at is not None:  # the whole-buffer layout: whole buffers, the mask hides what is not live
+            keys.index_copy_(2, self.at, key_states)
+            values.index_copy_(2, self.at, value_states)
+            return keys, values
+        keys[:, :, self.span.start: self.span.end] = key_states
+        values[:, :, self.span.start: self.span.end] = value_states
+        return keys[:, :, : self.span.end], values[:, :, : self.span.end]
+
+    def _write_store(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """``update`` through the store: one ``index_put_`` into each, every index a tensor. Compiled, a write into
+        a slice of one layer's slice of the store rebuilds the whole store (functionalization writes the new rows
+        into a copy of the base, and inductor does not write that copy back in place), while an ``index_put_`` on
+        the store itself is written in place."""
+        batch, heads, n, _ = key_states.shape
+        device = key_states.device
+        at = self.at if self.at is not None else torch.arange(n, device=device) + self.span.start
+        index = (torch.full((1, 1, 1), layer, device=device), torch.arange(batch, device=device)[:, None, None],
+                 torch.arange(heads, device=device)[None, :, None], at[None, None, :])
+        keys, values = self.store
+        keys.index_put_(index, key_states)
+        values.index_put_(index, value_states)
+        if self.at is not None:  # the whole-buffer layout: whole buffers, the mask hides what is not live
+            return keys[layer], values[layer]
+        return keys[layer, :, :, : self.span.end], values[layer, :, :, : self.span.end]
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more rows in every layer now, and one to spare, so a compiled forward never grows a
@@ -276,14 +315,38 @@ class SlabCache(Cache):
                 layer._grow(layer.length + rows + 1)
 
     def keep(self, past: int, rows: list[int] | torch.Tensor) -> None:
-        """Keep verify rows ``rows`` (indices after ``past``, in order of the sequence) as the rows after ``past``."""
+        """Keep verify rows ``rows`` (indices after ``past``, in order of the sequence) as the rows after ``past``:
+        in the store, two gathers for every layer at once."""
         index = past + torch.as_tensor(rows, dtype=torch.long)
+        if self.stored:
+            index = to_device(index, self.store[0].device)
+            with torch.inference_mode():
+                keep_rows(self.store, 3, past, index)
+            self._moved(past + index.numel())
+            return
         on_device: dict[torch.device, torch.Tensor] = {}  # one copy per device (a model may be split across several)
         for layer in self.layers:
             if layer.is_initialized:
                 if layer.device not in on_device:
                     on_device[layer.device] = to_device(index, layer.device)
                 layer.keep(past, on_device[layer.device])
+
+
+def mark_dynamic(buffers, dim: int, static: bool) -> None:
+    """The buffers' ``dim`` (their capacity) varies between caches: a compiled forward keeps one graph for all.
+    Static buffers are also marked as fixed addresses, so a CUDA graph writes them in place rather than refusing to
+    capture a forward that mutates its inputs (a new buffer, after a growth, is recorded anew)."""
+    for buffer in buffers:
+        torch._dynamo.maybe_mark_dynamic(buffer, dim)
+        if static:
+            torch._dynamo.mark_static_address(buffer)
+
+
+def keep_rows(buffers, dim: int, past: int, index: torch.Tensor) -> None:
+    """Rows ``index`` of each buffer along ``dim`` moved to ``past, past+1, ...``: gathered first, since the sources
+    may overlap the destination."""
+    for buffer in buffers:
+        buffer.narrow(dim, past, index.numel()).copy_(buffer.index_select(dim, index))
 
 
 def buffer_mask(mask: torch.Tensor | None, past: int, n: int, capacity: int, dtype: torch.dtype,
@@ -304,8 +367,8 @@ def full_attention_only(config) -> bool:
     return all(t == "full_attention" for t in layer_types)
 
 
-def for_model(config, capacity: int = 256, static: bool = False) -> Cache:
+def for_model(config, capacity: int = 256, static: bool = False, shared: bool = False) -> Cache:
     """A ``SlabCache`` for a model whose layers are all full attention, else transformers' ``DynamicCache``."""
     if full_attention_only(config):
-        return SlabCache(config.get_text_config(decoder=True).num_hidden_layers, capacity, static)
+        return SlabCache(config.get_text_config(decoder=True).num_hidden_layers, capacity, static, shared)
     return DynamicCache(config=config)

@@ -178,12 +178,15 @@ class TargetModel:
     def new_cache(self, capacity: int = 256, static: bool | None = None) -> Cache:
         """An empty KV cache for one decode, sized for ``capacity`` tokens (it grows past them if it must): a
         ``core.cache.SlabCache`` where every layer is full attention, else transformers' ``DynamicCache``.
-        ``static`` (None: where this target's forwards replay as CUDA graphs): buffers at fixed addresses."""
+        ``static`` (None: where this target's forwards replay as CUDA graphs): buffers at fixed addresses. Every
+        layer's buffers are slices of one store (``SlabCache(shared=True)``) unless the model is split across
+        devices (each device's layers would hold a slice of the store on the first)."""
         if static is None:
             static = self.captured is not None and self.captured.graphs
         if static:
             capacity = graph_capacity(capacity)
-        return cache_for_model(self.config, capacity, static)
+        split = len(set(getattr(self.model, "hf_device_map", {}).values())) > 1
+        return cache_for_model(self.config, capacity, static, shared=not split)
 
     def new_batch_cache(self, batch: int, capacity: int) -> BatchSlabCache:
         """An empty KV cache for ``batch`` sequences of up to ``capacity`` tokens each (``core.batch``). Where this
