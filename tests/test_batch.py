@@ -41,11 +41,11 @@ def random_tree(nodes: int, seed: int) -> DraftTree:
     return DraftTree(torch.randint(0, VOCAB, (nodes,), generator=gen), torch.tensor(parents))
 
 
-def batched_verify(target, trees: list[DraftTree]):
-    """Sequences of different contexts (one per tree) in a batch cache that grows, each also in a one-sequence
-    cache of its own, and one forward verifying every tree (root 7) in its row. Returns (batch cache, the
-    one-sequence caches, the rows' pasts, the forward's logits)."""
-    batch = BatchSlabCache(target.num_layers, batch=2, capacity=4)  # both grow
+def batched_verify(target, trees: list[DraftTree], shared: bool = False):
+    """Sequences of different contexts (one per tree) in a batch cache that grows (its layers' buffers slices of
+    one store with ``shared``), each also in a one-sequence cache of its own, and one forward verifying every tree
+    (root 7) in its row. Returns (batch cache, the one-sequence caches, the rows' pasts, the forward's logits)."""
+    batch = BatchSlabCache(target.num_layers, batch=2, capacity=4, shared=shared)  # both grow
     singles = []
     for ids in prompts(len(trees), seed=1):
         single = SlabCache(target.num_layers, 64)
@@ -62,11 +62,13 @@ def batched_verify(target, trees: list[DraftTree]):
     return batch, singles, pasts, logits
 
 
-def test_each_row_of_a_batched_verify_equals_its_own_sequence(target):
+@pytest.mark.parametrize("shared", [True, False], ids=["store", "per-layer"])
+def test_each_row_of_a_batched_verify_equals_its_own_sequence(target, shared):
     """Three sequences with different contexts verify trees of different sizes in one forward; each row's logits
     are what its own cache and ``target.verify`` give, and its cache after the commit equals its own."""
     trees = [random_tree(n, seed=n) for n in (5, 1, 9)]
-    batch, singles, pasts, logits = batched_verify(target, trees)
+    batch, singles, pasts, logits = batched_verify(target, trees, shared)
+    assert batch.stored == shared
     for b, (tree, single, past) in enumerate(zip(trees, singles, pasts)):
         alone, _ = target.verify(7, tree, single)
         torch.testing.assert_close(logits[b, : len(tree) + 1], alone, rtol=1e-5, atol=1e-5)

@@ -137,12 +137,13 @@ def test_warming_compiles_every_graph_a_batch_decode_meets(tiny_llama, ref_greed
     assert compiled.engine.path == "compiled", compiled.engine
 
 
-def test_a_whole_buffer_forward_is_padded_to_buckets_and_fillers_see_only_themselves(tiny_llama):
+@pytest.mark.parametrize("shared", [True, False], ids=["store", "per-layer"])
+def test_a_whole_buffer_forward_is_padded_to_buckets_and_fillers_see_only_themselves(tiny_llama, shared):
     """``BatchSlabCache.whole``: 3 rows of 5 entries become 4 rows of 8 over the capacity; a real entry's mask is
     the one given, a filler's (a padding row's, a real row's padding entry) sees only the slot it is written to,
     after its row's live positions, so no live position changes."""
     target = TargetModel(prepare(tiny_llama(vocab_size=VOCAB, seed=3), pack=True))
-    cache = BatchSlabCache(target.num_layers, 3, 32)
+    cache = BatchSlabCache(target.num_layers, 3, 32, shared=shared)
     for ids in prompts(3, seed=4):
         single = SlabCache(target.num_layers, 32)
         target.prefill(ids, single)
@@ -171,7 +172,8 @@ def test_a_whole_buffer_forward_is_padded_to_buckets_and_fillers_see_only_themse
             torch.testing.assert_close(layer._keys[b, :, :length], old[b, :, :length])
 
 
-def test_a_static_batch_cache_takes_the_buffers_the_last_one_of_its_shape_gave_back(tiny_llama):
+@pytest.mark.parametrize("shared", [True, False], ids=["store", "per-layer"])
+def test_a_static_batch_cache_takes_the_buffers_the_last_one_of_its_shape_gave_back(tiny_llama, shared):
     """Under CUDA graphs the batch cache's buffers are fixed addresses: a cache that is gone gives them back to
     the pool, and the next cache of the same shape takes them (its graphs then replay), zeroed."""
     import gc
@@ -181,7 +183,7 @@ def test_a_static_batch_cache_takes_the_buffers_the_last_one_of_its_shape_gave_b
     target.prefill([1, 2, 3], single)
 
     def filled():
-        cache = BatchSlabCache(target.num_layers, 4, 64, static=True)
+        cache = BatchSlabCache(target.num_layers, 4, 64, static=True, shared=shared)
         cache.adopt(cache.add(), single)
         return cache
 
@@ -192,6 +194,6 @@ def test_a_static_batch_cache_takes_the_buffers_the_last_one_of_its_shape_gave_b
     again = filled()
     assert [layer._keys.data_ptr() for layer in again.layers] == addresses
     assert again.layers[0]._keys[0, :, 3:].abs().sum() == 0 and again.layers[0]._keys[1:].abs().sum() == 0
-    other = BatchSlabCache(target.num_layers, 8, 64, static=True)  # another shape: buffers of its own
+    other = BatchSlabCache(target.num_layers, 8, 64, static=True, shared=shared)  # another shape: buffers of its own
     other.adopt(other.add(), single)
     assert other.layers[0]._keys.data_ptr() not in addresses

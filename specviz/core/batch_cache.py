@@ -32,6 +32,7 @@ capacity asked for, and double when a write goes past it (slower once, never wro
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 from . import pool
+from .cache import mark_dynamic, put_rows
 from .transfer import to_device
 
 
@@ -92,11 +94,18 @@ class BatchSlabLayer(DynamicLayer):
         self._held: list = []  # a static layer's (pool key, buffer pair), its current pair last
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
+        self.owner: weakref.ref | None = None  # the cache whose store may hold this layer's buffers
+        self.shared = False  # the buffers are slices of the owner's store (``SlabLayer.shared``)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self._keys, self._values = self._buffers(key_states, self.batch, self.capacity)
-        self._mark_dynamic()
+        owner = self.owner() if self.owner is not None else None
+        slices = owner.share(self, key_states, value_states) if owner is not None else None
+        if slices is None:
+            self._keys, self._values = self._buffers(key_states, self.batch, self.capacity)
+            self._mark_dynamic()
+        else:
+            (self._keys, self._values), self.shared = slices, True
         self.is_initialized = True
 
     def _buffers(self, like: torch.Tensor, batch: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,16 +121,12 @@ class BatchSlabLayer(DynamicLayer):
         return pool.pooled_pair(self, ("batch", self.index, shape, like.dtype, like.device), make)
 
     def _mark_dynamic(self) -> None:
-        """Rows and capacity vary between caches: a compiled forward keeps one graph for all (a size it took as
-        fixed would pass into every shape derived from it, down to the batch's own). A static layer's buffers are
-        fixed addresses too, which a CUDA graph writes in place (``SlabLayer._mark_dynamic``)."""
-        for buffer in (self._keys, self._values):
-            torch._dynamo.maybe_mark_dynamic(buffer, 0)
-            torch._dynamo.maybe_mark_dynamic(buffer, 2)
-            if self.static:
-                torch._dynamo.mark_static_address(buffer)
+        mark_dynamic((self._keys, self._values), (0, 2), self.static)
 
     def _grow(self, batch: int, capacity: int) -> None:
+        if self.shared:
+            self.owner().grow(batch, capacity)
+            return
         old = self._keys, self._values
         self._keys, self._values = self._buffers(old[0], batch, capacity)
         for new, before in zip((self._keys, self._values), old):
@@ -183,9 +188,72 @@ class BatchSlabLayer(DynamicLayer):
 class BatchSlabCache(Cache):
     """A KV cache of ``BatchSlabLayer``s for up to ``batch`` sequences of ``capacity`` tokens each (both grow)."""
 
-    def __init__(self, num_layers: int, batch: int, capacity: int = 256, static: bool = False):
+    def __init__(self, num_layers: int, batch: int, capacity: int = 256, static: bool = False, shared: bool = False):
         self.rows = Rows()
         super().__init__(layers=[BatchSlabLayer(self.rows, batch, capacity, static, i) for i in range(num_layers)])
+        self.store: tuple[torch.Tensor, torch.Tensor] | None = None  # keys, values: [layers, rows, ...] (``shared``)
+        self.mixed, self.static = False, static  # as ``SlabCache``'s
+        self._held: list = []
+        for layer in self.layers:
+            layer.owner = weakref.ref(self) if shared else None
+
+    @property
+    def stored(self) -> bool:
+        """Whether every layer's buffers are slices of the store (``SlabCache.stored``)."""
+        return self.store is not None and not self.mixed
+
+    def share(self, layer: BatchSlabLayer, keys: torch.Tensor, values: torch.Tensor):
+        """``layer``'s slices of the store, made at the first layer's first write; None where the layer's entries
+        are not shaped, typed and placed as the store's (``SlabCache.share``)."""
+        if self.store is None:
+            self.store = self._stores(keys, layer.batch, layer.capacity)
+        store = self.store[0]
+        if (keys.shape[1], keys.shape[-1], keys.dtype, keys.device) != (store.shape[2], store.shape[-1], store.dtype,
+                                                                          store.device) or values.shape != keys.shape:
+            self.mixed = True
+            return None
+        layer.batch, layer.capacity = store.shape[1], store.shape[3]
+        return self.store[0][layer.index], self.store[1][layer.index]
+
+    def _stores(self, like: torch.Tensor, batch: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed key and value stores for every layer, shaped after one layer's entries ``like``."""
+        shape = (len(self.layers), batch, like.shape[1], capacity, like.shape[-1])
+
+        def make():
+            return like.new_zeros(shape), like.new_zeros(shape)
+
+        stores = make() if not self.static else pool.pooled_pair(self, ("batch-store", shape, like.dtype, like.device),
+                                                                  make)
+        mark_dynamic(stores, (1, 3), self.static)
+        return stores
+
+    def grow(self, batch: int, capacity: int) -> None:
+        """Stores of ``batch`` rows and ``capacity`` positions, what the old ones held copied over, every sharing
+        layer's slices moved to them."""
+        old = self.store
+        self.store = self._stores(old[0][0], batch, capacity)
+        for new, before in zip(self.store, old):
+            new[:, : before.shape[1], :, : before.shape[3]] = before
+        if self.static:
+            pool.give_back(self._held, keep_last=True)
+        for layer in self.layers:
+            if layer.shared or not layer.is_initialized:
+                layer.batch, layer.capacity = batch, capacity
+            if layer.shared:
+                layer._keys, layer._values = self.store[0][layer.index], self.store[1][layer.index]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' ``Cache.update``; a planned forward over a stored cache writes through the store (one
+        ``index_put_`` per store: ``core.cache.put_rows``), so a compiled forward takes two buffers as inputs."""
+        plan = self.rows.plan
+        if plan is None or not self.stored:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        put_rows(self.store, layer_idx, plan.where, key_states, value_states)
+        b = key_states.shape[0]
+        keys, values = self.store[0][layer_idx, :b], self.store[1][layer_idx, :b]
+        if plan.end is None:  # the whole-buffer layout: every position, the mask hides what is not live
+            return keys, values
+        return keys[:, :, : plan.end], values[:, :, : plan.end]
 
     @property
     def lengths(self) -> list[int]:

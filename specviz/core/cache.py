@@ -96,7 +96,7 @@ class SlabLayer(DynamicLayer):
                                        keys.dtype, keys.device), make)
 
     def _mark_dynamic(self) -> None:
-        mark_dynamic((self._keys, self._values), 2, self.static)
+        mark_dynamic((self._keys, self._values), (2,), self.static)
 
     def _view(self) -> None:
         self.keys = self._keys[:, :, : self.length]
@@ -215,7 +215,7 @@ class SlabCache(Cache):
         stores = make() if not self.static else pool.pooled_pair(
             self, ("store", layers, tuple(keys.shape[:2]), capacity, keys.shape[-1], values.shape[-1], keys.dtype,
                    keys.device), make)
-        mark_dynamic(stores, 3, self.static)
+        mark_dynamic(stores, (3,), self.static)
         return stores
 
     def grow(self, needed: int) -> None:
@@ -294,14 +294,11 @@ class SlabCache(Cache):
         a slice of one layer's slice of the store rebuilds the whole store (functionalization writes the new rows
         into a copy of the base, and inductor does not write that copy back in place), while an ``index_put_`` on
         the store itself is written in place."""
-        batch, heads, n, _ = key_states.shape
-        device = key_states.device
-        at = self.at if self.at is not None else torch.arange(n, device=device) + self.span.start
-        index = (torch.full((1, 1, 1), layer, device=device), torch.arange(batch, device=device)[:, None, None],
-                 torch.arange(heads, device=device)[None, :, None], at[None, None, :])
+        at = self.at
+        if at is None:
+            at = torch.arange(key_states.shape[2], device=key_states.device) + self.span.start
+        put_rows(self.store, layer, at[None], key_states, value_states)
         keys, values = self.store
-        keys.index_put_(index, key_states)
-        values.index_put_(index, value_states)
         if self.at is not None:  # the whole-buffer layout: whole buffers, the mask hides what is not live
             return keys[layer], values[layer]
         return keys[layer, :, :, : self.span.end], values[layer, :, :, : self.span.end]
@@ -332,14 +329,28 @@ class SlabCache(Cache):
                 layer.keep(past, on_device[layer.device])
 
 
-def mark_dynamic(buffers, dim: int, static: bool) -> None:
-    """The buffers' ``dim`` (their capacity) varies between caches: a compiled forward keeps one graph for all.
-    Static buffers are also marked as fixed addresses, so a CUDA graph writes them in place rather than refusing to
-    capture a forward that mutates its inputs (a new buffer, after a growth, is recorded anew)."""
+def mark_dynamic(buffers, dims: tuple[int, ...], static: bool) -> None:
+    """The buffers' ``dims`` (their capacity, a batch's rows) vary between caches: a compiled forward keeps one graph
+    for all (a size it took as fixed would pass into every shape derived from it). Static buffers are also marked as
+    fixed addresses, so a CUDA graph writes them in place rather than refusing to capture a forward that mutates its
+    inputs (a new buffer, after a growth, is recorded anew)."""
     for buffer in buffers:
-        torch._dynamo.maybe_mark_dynamic(buffer, dim)
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(buffer, dim)
         if static:
             torch._dynamo.mark_static_address(buffer)
+
+
+def put_rows(stores, layer: int, at: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """One layer's new entries ``[rows, heads, n, dim]`` into stores ``[layers, rows, heads, capacity, dim]`` at
+    positions ``at`` ([rows, n], or [1, n] for every row): one ``index_put_`` per store, every index a tensor, which
+    inductor writes in place (``SlabCache._write_store``)."""
+    rows, heads = key_states.shape[:2]
+    device = key_states.device
+    index = (torch.full((1, 1, 1), layer, device=device), torch.arange(rows, device=device)[:, None, None],
+             torch.arange(heads, device=device)[None, :, None], at[:, None, :])
+    stores[0].index_put_(index, key_states)
+    stores[1].index_put_(index, value_states)
 
 
 def keep_rows(buffers, dim: int, past: int, index: torch.Tensor) -> None:

@@ -179,14 +179,12 @@ class TargetModel:
         """An empty KV cache for one decode, sized for ``capacity`` tokens (it grows past them if it must): a
         ``core.cache.SlabCache`` where every layer is full attention, else transformers' ``DynamicCache``.
         ``static`` (None: where this target's forwards replay as CUDA graphs): buffers at fixed addresses. Every
-        layer's buffers are slices of one store (``SlabCache(shared=True)``) unless the model is split across
-        devices (each device's layers would hold a slice of the store on the first)."""
+        layer's buffers are slices of one store (``SlabCache(shared=True)``) where the model is on one device."""
         if static is None:
             static = self.captured is not None and self.captured.graphs
         if static:
             capacity = graph_capacity(capacity)
-        split = len(set(getattr(self.model, "hf_device_map", {}).values())) > 1
-        return cache_for_model(self.config, capacity, static, shared=not split)
+        return cache_for_model(self.config, capacity, static, shared=self.one_device)
 
     def new_batch_cache(self, batch: int, capacity: int) -> BatchSlabCache:
         """An empty KV cache for ``batch`` sequences of up to ``capacity`` tokens each (``core.batch``). Where this
@@ -197,7 +195,13 @@ class TargetModel:
             batch = bucket(batch)
         if static:
             capacity = graph_capacity(capacity)
-        return BatchSlabCache(self.num_layers, batch, capacity, static)
+        return BatchSlabCache(self.num_layers, batch, capacity, static, shared=self.one_device)
+
+    @property
+    def one_device(self) -> bool:
+        """Whether the model sits on one device, so its caches keep every layer in one store (split across devices,
+        each device's layers would hold a slice of the store on the first)."""
+        return len(set(getattr(self.model, "hf_device_map", {}).values())) <= 1
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Cache,
                  keep: int = 0):
