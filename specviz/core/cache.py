@@ -219,8 +219,9 @@ class SlabCache(Cache):
         return stores
 
     def grow(self, needed: int) -> None:
-        """A store of ``max(needed, 2 * capacity)`` rows: the live rows copied over (two copies for every layer),
-        each sharing layer's slices moved to it."""
+        """A store of ``max(needed, 2 * capacity)`` rows: the live rows copied over (two copies in all, not two per
+        layer), each sharing layer's slices moved to it. The old store is held until the copy is done: for a
+        moment three times the cache's memory, where a growth layer by layer held one layer's extra."""
         old_keys, old_values = self.store
         live = max(layer.length for layer in self.layers)
         self.store = self._stores(old_keys[0], old_values[0], max(needed, 2 * old_keys.shape[3]))
