@@ -68,7 +68,7 @@ def test_commits_keep_exactly_the_accepted_rows(context, capacity, shared, tiny_
     assert max(layer.capacity for layer in cache.layers) >= len(seq)
     assert cache.stored == shared and isinstance(target.new_cache(), SlabCache) and target.new_cache().layers[0].owner
     if shared:  # every layer's buffers are slices of the store, which grew with them
-        assert all(layer._keys.data_ptr() == cache.store[0][i].data_ptr() for i, layer in enumerate(cache.layers))
+        assert all(layer._keys.data_ptr() == cache.store.keys[i].data_ptr() for i, layer in enumerate(cache.layers))
 
 
 def test_a_layer_unlike_the_first_gets_buffers_of_its_own():
@@ -219,7 +219,7 @@ def test_appending_moves_nothing_inside_the_forward_and_the_lengths_after_it(sha
             assert keys.shape[2] == values.shape[2] == 5
             assert all(vars(layer)[k] is v for k, v in grown[i].items())  # not one attribute set
             assert all(vars(cache)[k] is v for k, v in owned.items())
-            base = cache.store[0] if shared else layer._keys
+            base = cache.store.keys if shared else layer._keys
             assert keys.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
         assert cache.get_seq_length() == 3
     for i, layer in enumerate(cache.layers):
@@ -257,4 +257,4 @@ def test_static_caches_take_the_buffers_of_those_gone_layer_by_layer(shared, mon
     assert fill(SlabCache(2, 16, static=True, shared=shared), 1) == grown
     plain = SlabCache(2, 8, shared=shared)
     fill(plain, 1)
-    assert not plain._held and all(not layer._held for layer in plain.layers)
+    assert (plain.store is None or not plain.store._held) and all(not layer._held for layer in plain.layers)

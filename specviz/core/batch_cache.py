@@ -41,7 +41,8 @@ from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 from . import pool
-from .cache import mark_dynamic, put_rows
+from .cache import StoreOwner
+from .store import Store, mark_dynamic
 from .transfer import to_device
 
 
@@ -100,7 +101,7 @@ class BatchSlabLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         owner = self.owner() if self.owner is not None else None
-        slices = owner.share(self, key_states, value_states) if owner is not None else None
+        slices = owner.share(self, key_states, value_states, self.batch) if owner is not None else None
         if slices is None:
             self._keys, self._values = self._buffers(key_states, self.batch, self.capacity)
             self._mark_dynamic()
@@ -122,6 +123,10 @@ class BatchSlabLayer(DynamicLayer):
 
     def _mark_dynamic(self) -> None:
         mark_dynamic((self._keys, self._values), (0, 2), self.static)
+
+    def fit(self, store: Store) -> None:
+        """Take the store's rows and capacity (the layer's buffers are, or will be, its slices)."""
+        self.batch, self.capacity = store.rows, store.capacity
 
     def _grow(self, batch: int, capacity: int) -> None:
         if self.shared:
@@ -185,72 +190,31 @@ class BatchSlabLayer(DynamicLayer):
             buffer[target, :, :length] = buffer[source, :, :length]
 
 
-class BatchSlabCache(Cache):
-    """A KV cache of ``BatchSlabLayer``s for up to ``batch`` sequences of ``capacity`` tokens each (both grow)."""
+class BatchSlabCache(StoreOwner):
+    """A KV cache of ``BatchSlabLayer``s for up to ``batch`` sequences of ``capacity`` tokens each (both grow);
+    ``static`` and ``shared`` as ``SlabCache``'s (a store's rows and capacity both vary between caches)."""
+
+    dynamic = (1, 3)
 
     def __init__(self, num_layers: int, batch: int, capacity: int = 256, static: bool = False, shared: bool = False):
         self.rows = Rows()
-        super().__init__(layers=[BatchSlabLayer(self.rows, batch, capacity, static, i) for i in range(num_layers)])
-        self.store: tuple[torch.Tensor, torch.Tensor] | None = None  # keys, values: [layers, rows, ...] (``shared``)
-        self.mixed, self.static = False, static  # as ``SlabCache``'s
-        self._held: list = []
-        for layer in self.layers:
-            layer.owner = weakref.ref(self) if shared else None
-
-    @property
-    def stored(self) -> bool:
-        """Whether every layer's buffers are slices of the store (``SlabCache.stored``)."""
-        return self.store is not None and not self.mixed
-
-    def share(self, layer: BatchSlabLayer, keys: torch.Tensor, values: torch.Tensor):
-        """``layer``'s slices of the store, made at the first layer's first write; None where the layer's entries
-        are not shaped, typed and placed as the store's (``SlabCache.share``)."""
-        if self.store is None:
-            self.store = self._stores(keys, layer.batch, layer.capacity)
-        store = self.store[0]
-        if (keys.shape[1], keys.shape[-1], keys.dtype, keys.device) != (store.shape[2], store.shape[-1], store.dtype,
-                                                                          store.device) or values.shape != keys.shape:
-            self.mixed = True
-            return None
-        layer.batch, layer.capacity = store.shape[1], store.shape[3]
-        return self.store[0][layer.index], self.store[1][layer.index]
-
-    def _stores(self, like: torch.Tensor, batch: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed key and value stores for every layer, shaped after one layer's entries ``like``."""
-        shape = (len(self.layers), batch, like.shape[1], capacity, like.shape[-1])
-
-        def make():
-            return like.new_zeros(shape), like.new_zeros(shape)
-
-        stores = make() if not self.static else pool.pooled_pair(self, ("batch-store", shape, like.dtype, like.device),
-                                                                  make)
-        mark_dynamic(stores, (1, 3), self.static)
-        return stores
+        super().__init__([BatchSlabLayer(self.rows, batch, capacity, static, i) for i in range(num_layers)], static,
+                         shared)
 
     def grow(self, batch: int, capacity: int) -> None:
-        """Stores of ``batch`` rows and ``capacity`` positions, what the old ones held copied over, every sharing
-        layer's slices moved to them."""
-        old = self.store
-        self.store = self._stores(old[0][0], batch, capacity)
-        for new, before in zip(self.store, old):
-            new[:, : before.shape[1], :, : before.shape[3]] = before
-        if self.static:
-            pool.give_back(self._held, keep_last=True)
-        for layer in self.layers:
-            if layer.shared or not layer.is_initialized:
-                layer.batch, layer.capacity = batch, capacity
-            if layer.shared:
-                layer._keys, layer._values = self.store[0][layer.index], self.store[1][layer.index]
+        """The store grown to ``batch`` rows and ``capacity`` positions, all it held copied over (``Store.grow``)."""
+        self.store.grow(batch, capacity)
+        self._regrown()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """transformers' ``Cache.update``; a planned forward over a stored cache writes through the store (one
-        ``index_put_`` per store: ``core.cache.put_rows``), so a compiled forward takes two buffers as inputs."""
+        ``index_put_`` per tensor: ``Store.put``), so a compiled forward takes two buffers as inputs."""
         plan = self.rows.plan
         if plan is None or not self.stored:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        put_rows(self.store, layer_idx, plan.where, key_states, value_states)
+        self.store.put(layer_idx, plan.where, key_states, value_states)
         b = key_states.shape[0]
-        keys, values = self.store[0][layer_idx, :b], self.store[1][layer_idx, :b]
+        keys, values = self.store.keys[layer_idx, :b], self.store.values[layer_idx, :b]
         if plan.end is None:  # the whole-buffer layout: every position, the mask hides what is not live
             return keys, values
         return keys[:, :, : plan.end], values[:, :, : plan.end]
@@ -287,9 +251,12 @@ class BatchSlabCache(Cache):
         ``past, past + 1, ...``; its length becomes ``past + len(rows)``."""
         if rows != list(range(len(rows))):  # a prefix is in place already
             index = past + torch.as_tensor(rows, dtype=torch.long)
-            for layer in self.layers:
-                if layer.is_initialized:
-                    layer.keep(row, past, to_device(index, layer.device))
+            if self.stored:  # two gathers for every layer at once
+                self.store.keep(past, to_device(index, self.store.keys.device), row)
+            else:
+                for layer in self.layers:
+                    if layer.is_initialized:
+                        layer.keep(row, past, to_device(index, layer.device))
         self.rows.lengths[row] = past + len(rows)
 
     def drop(self, row: int) -> int | None:
@@ -297,9 +264,12 @@ class BatchSlabCache(Cache):
         last = self.rows.active - 1
         if row != last:
             length = self.rows.lengths[last]
-            for layer in self.layers:
-                if layer.is_initialized:
-                    layer.move(last, row, length)
+            if self.stored:
+                self.store.move(last, row, length)
+            else:
+                for layer in self.layers:
+                    if layer.is_initialized:
+                        layer.move(last, row, length)
             self.rows.lengths[row] = length
         self.rows.lengths.pop()
         return last if row != last else None

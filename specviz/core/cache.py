@@ -43,6 +43,7 @@ from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 from . import pool
+from .store import Store, keep_rows, mark_dynamic
 from .transfer import to_device
 
 
@@ -73,7 +74,7 @@ class SlabLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         owner = self.owner() if self.owner is not None else None
-        slices = owner.share(self, key_states, value_states) if owner is not None else None
+        slices = owner.share(self, key_states, value_states, key_states.shape[0]) if owner is not None else None
         if slices is None:
             self._keys, self._values = self._buffers(key_states, value_states, self.capacity)
             self._mark_dynamic()
@@ -97,6 +98,10 @@ class SlabLayer(DynamicLayer):
 
     def _mark_dynamic(self) -> None:
         mark_dynamic((self._keys, self._values), (2,), self.static)
+
+    def fit(self, store: Store) -> None:
+        """Take the store's capacity (the layer's buffers are, or will be, its slices)."""
+        self.capacity = store.capacity
 
     def _view(self) -> None:
         self.keys = self._keys[:, :, : self.length]
@@ -160,80 +165,72 @@ class SlabLayer(DynamicLayer):
         raise NotImplementedError("a SlabCache holds one sequence per batch row as allocated")
 
 
-class SlabCache(Cache):
-    """A KV cache of ``SlabLayer``s: one per decoder layer, each ``capacity`` rows to start with. ``static``: the
-    buffers are fixed addresses of a CUDA graph (the whole-buffer layout's compiled forward). ``shared``: every
-    layer's buffers are slices of one store, ``[layers, batch, kv_heads, capacity, head_dim]`` for keys and one for
-    values, so a compiled forward takes two tensors and one capacity as inputs, not two and a capacity per layer
-    (the target shares where its model sits on one device; a layer whose shape, dtype or device differs from the
-    first layer's gets buffers of its own, and the cache then writes layer by layer)."""
+class StoreOwner(Cache):
+    """A cache whose layers may keep their buffers in one ``core.store.Store`` (``shared``), made at the first
+    layer's first write and shaped after it; a layer whose entries do not fit it keeps buffers of its own, and the
+    cache, then ``mixed``, writes layer by layer. Each layer has ``owner`` (a weak reference to this cache, where
+    shared), ``shared``, ``index``, ``is_initialized``, its buffers ``_keys`` and ``_values``, and ``fit(store)``."""
 
-    def __init__(self, num_layers: int, capacity: int = 256, static: bool = False, shared: bool = False):
-        super().__init__(layers=[SlabLayer(capacity) for _ in range(num_layers)])
-        self.span: Span | None = None  # set by ``appending``: one forward's rows in every layer
-        self.at: torch.Tensor | None = None  # set by ``slots``: one forward's rows, as a tensor, in every layer
-        self.store: tuple[torch.Tensor, torch.Tensor] | None = None  # keys, values: [layers, ...] (``shared``)
+    dynamic: tuple[int, ...] = (3,)  # the store's dimensions that vary between caches (``core.store.mark_dynamic``)
+
+    def __init__(self, layers: list, static: bool, shared: bool):
+        super().__init__(layers=layers)
+        self.store: Store | None = None
         self.mixed = False  # a layer was refused a slice of the store: it has buffers of its own
         self.static = static
-        self._held: list = []  # the store's (pool key, pair) records, where static
-        for i, layer in enumerate(self.layers):
-            layer.static, layer.index = static, i
+        for layer in self.layers:
             layer.owner = weakref.ref(self) if shared else None
-
-    @property
-    def capacity(self) -> int:
-        """Rows every layer holds now (the whole-buffer layout's key length)."""
-        return min(layer.capacity for layer in self.layers)
 
     @property
     def stored(self) -> bool:
         """Whether every layer's buffers are slices of the store (so a compiled forward writes through it)."""
         return self.store is not None and not self.mixed
 
-    def share(self, layer: SlabLayer, keys: torch.Tensor, values: torch.Tensor):
-        """``layer``'s slices of the store, made at the first layer's first write (as that layer's buffers would
-        be); None where the layer's entries are not shaped, typed and placed as the store's."""
+    def share(self, layer, keys: torch.Tensor, values: torch.Tensor, rows: int):
+        """``layer``'s slices of the store (made here at the first layer's first write, ``rows`` rows at the layer's
+        capacity), or None where its entries do not fit the store."""
         if self.store is None:
-            self.store = self._stores(keys, values, layer.capacity)
-        store_keys, store_values = self.store
-        if (store_keys.shape[1:3], store_values.shape[1:3], store_keys.shape[-1], store_values.shape[-1]) != (
-                keys.shape[:2], values.shape[:2], keys.shape[-1], values.shape[-1]) or (
-                store_keys.dtype, store_keys.device) != (keys.dtype, keys.device):
+            self.store = Store(len(self.layers), keys, values, rows, layer.capacity, self.static, self.dynamic)
+        if not self.store.fits(keys, values):
             self.mixed = True
             return None
-        layer.capacity = store_keys.shape[3]
-        return store_keys[layer.index], store_values[layer.index]
+        layer.fit(self.store)
+        return self.store.layer(layer.index)
 
-    def _stores(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
-        """Zeroed stores for every layer, shaped after one layer's ``keys`` and ``values`` (``SlabLayer._buffers``)."""
-        layers = len(self.layers)
+    def _regrown(self) -> None:
+        """After the store grew: each sharing layer takes its new slices, and one yet to write the new sizes."""
+        for layer in self.layers:
+            if layer.shared or not layer.is_initialized:
+                layer.fit(self.store)
+            if layer.shared:
+                layer._keys, layer._values = self.store.layer(layer.index)
 
-        def make():
-            return (keys.new_zeros((layers, *keys.shape[:2], capacity, keys.shape[-1])),
-                    values.new_zeros((layers, *values.shape[:2], capacity, values.shape[-1])))
 
-        stores = make() if not self.static else pool.pooled_pair(
-            self, ("store", layers, tuple(keys.shape[:2]), capacity, keys.shape[-1], values.shape[-1], keys.dtype,
-                   keys.device), make)
-        mark_dynamic(stores, (3,), self.static)
-        return stores
+class SlabCache(StoreOwner):
+    """A KV cache of ``SlabLayer``s: one per decoder layer, each ``capacity`` rows to start with. ``static``: the
+    buffers are fixed addresses of a CUDA graph (the whole-buffer layout's compiled forward). ``shared``: every
+    layer's buffers are slices of one ``Store``, so a compiled forward takes two tensors and one capacity as inputs,
+    not two and a capacity per layer (the target shares where its model sits on one device)."""
+
+    def __init__(self, num_layers: int, capacity: int = 256, static: bool = False, shared: bool = False):
+        super().__init__([SlabLayer(capacity) for _ in range(num_layers)], static, shared)
+        self.span: Span | None = None  # set by ``appending``: one forward's rows in every layer
+        self.at: torch.Tensor | None = None  # set by ``slots``: one forward's rows, as a tensor, in every layer
+        for i, layer in enumerate(self.layers):
+            layer.static, layer.index = static, i
+
+    @property
+    def capacity(self) -> int:
+        """Rows every layer holds now (the whole-buffer layout's key length)."""
+        return min(layer.capacity for layer in self.layers)
 
     def grow(self, needed: int) -> None:
-        """A store of ``max(needed, 2 * capacity)`` rows: the live rows copied over (two copies in all, not two per
-        layer), each sharing layer's slices moved to it. The old store is held until the copy is done: for a
-        moment three times the cache's memory, where a growth layer by layer held one layer's extra."""
-        old_keys, old_values = self.store
+        """The store grown to ``max(needed, 2 * capacity)`` rows, the live ones copied over (``Store.grow``)."""
         live = max(layer.length for layer in self.layers)
-        self.store = self._stores(old_keys[0], old_values[0], max(needed, 2 * old_keys.shape[3]))
-        self.store[0][:, :, :, :live] = old_keys[:, :, :, :live]
-        self.store[1][:, :, :, :live] = old_values[:, :, :, :live]
-        if self.static:
-            pool.give_back(self._held, keep_last=True)
+        self.store.grow(self.store.rows, max(needed, 2 * self.store.capacity), live)
+        self._regrown()
         for layer in self.layers:
-            if layer.shared or not layer.is_initialized:  # one yet to write takes its slice at this capacity
-                layer.capacity = self.store[0].shape[3]
             if layer.shared:
-                layer._keys, layer._values = self.store[0][layer.index], self.store[1][layer.index]
                 layer._view()
 
     @contextlib.contextmanager
@@ -298,8 +295,8 @@ class SlabCache(Cache):
         at = self.at
         if at is None:
             at = torch.arange(key_states.shape[2], device=key_states.device) + self.span.start
-        put_rows(self.store, layer, at[None], key_states, value_states)
-        keys, values = self.store
+        self.store.put(layer, at[None], key_states, value_states)
+        keys, values = self.store.keys, self.store.values
         if self.at is not None:  # the whole-buffer layout: whole buffers, the mask hides what is not live
             return keys[layer], values[layer]
         return keys[layer, :, :, : self.span.end], values[layer, :, :, : self.span.end]
@@ -317,9 +314,7 @@ class SlabCache(Cache):
         in the store, two gathers for every layer at once."""
         index = past + torch.as_tensor(rows, dtype=torch.long)
         if self.stored:
-            index = to_device(index, self.store[0].device)
-            with torch.inference_mode():
-                keep_rows(self.store, 3, past, index)
+            self.store.keep(past, to_device(index, self.store.keys.device))
             self._moved(past + index.numel())
             return
         on_device: dict[torch.device, torch.Tensor] = {}  # one copy per device (a model may be split across several)
@@ -328,37 +323,6 @@ class SlabCache(Cache):
                 if layer.device not in on_device:
                     on_device[layer.device] = to_device(index, layer.device)
                 layer.keep(past, on_device[layer.device])
-
-
-def mark_dynamic(buffers, dims: tuple[int, ...], static: bool) -> None:
-    """The buffers' ``dims`` (their capacity, a batch's rows) vary between caches: a compiled forward keeps one graph
-    for all (a size it took as fixed would pass into every shape derived from it). Static buffers are also marked as
-    fixed addresses, so a CUDA graph writes them in place rather than refusing to capture a forward that mutates its
-    inputs (a new buffer, after a growth, is recorded anew)."""
-    for buffer in buffers:
-        for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(buffer, dim)
-        if static:
-            torch._dynamo.mark_static_address(buffer)
-
-
-def put_rows(stores, layer: int, at: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-    """One layer's new entries ``[rows, heads, n, dim]`` into stores ``[layers, rows, heads, capacity, dim]`` at
-    positions ``at`` ([rows, n], or [1, n] for every row): one ``index_put_`` per store, every index a tensor, which
-    inductor writes in place (``SlabCache._write_store``)."""
-    rows, heads = key_states.shape[:2]
-    device = key_states.device
-    index = (torch.full((1, 1, 1), layer, device=device), torch.arange(rows, device=device)[:, None, None],
-             torch.arange(heads, device=device)[None, :, None], at[:, None, :])
-    stores[0].index_put_(index, key_states)
-    stores[1].index_put_(index, value_states)
-
-
-def keep_rows(buffers, dim: int, past: int, index: torch.Tensor) -> None:
-    """Rows ``index`` of each buffer along ``dim`` moved to ``past, past+1, ...``: gathered first, since the sources
-    may overlap the destination."""
-    for buffer in buffers:
-        buffer.narrow(dim, past, index.numel()).copy_(buffer.index_select(dim, index))
 
 
 def buffer_mask(mask: torch.Tensor | None, past: int, n: int, capacity: int, dtype: torch.dtype,

@@ -5,9 +5,10 @@ A CUDA graph records the addresses of the buffers it writes; a static cache (``S
 where its graphs recorded and replays, rather than records anew (inductor records again on a new address, up to a
 limit, then stops replaying that graph).
 
-Rule: a holder (a cache, or a layer with buffers of its own) records every buffer pair it took in its ``_held``
-list, its current pair last; the pairs go back when the holder is gone, and an older pair goes back when the
-holder grows (``give_back(holder._held, keep_last=True)``). Holders alive at the same time never share a pair.
+Rule: a holder (a ``core.store.Store``, or a cache layer with buffers of its own) records every buffer pair it
+took in its ``_held`` list, its current pair last; the pairs go back when the holder is gone, and an older pair goes
+back when the holder grows (``give_back(holder._held, keep_last=True)``). Holders alive at the same time never
+share a pair.
 """
 
 from __future__ import annotations
