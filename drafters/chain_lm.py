@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from specviz.core.protocol import Drafter, DraftRequest
+from specviz.core.protocol import Commit, Drafter, DraftRequest
 from specviz.core.target import cache_kwarg
 from specviz.core.transfer import to_device
 from specviz.core.tree import DraftTree
@@ -20,6 +20,9 @@ class ChainState:
 
     cache: DynamicCache
     cached: list[int] = field(default_factory=list)
+    # the last greedy draft's fed tokens, after ``cached`` in the cache: on the device until read, or the host's
+    # list once ``observe`` found them in the tree the engine read
+    fed: torch.Tensor | list[int] | None = None
 
 
 class ChainLMDrafter(Drafter):
@@ -53,6 +56,9 @@ class ChainLMDrafter(Drafter):
 
     def _sync(self, state: ChainState, tokens: list[int]) -> torch.Tensor:
         """Drop cached tokens that left the sequence, feed the new ones; logits after the last."""
+        if state.fed is not None:  # read here only where no engine step read them (``observe``)
+            state.cached += state.fed if isinstance(state.fed, list) else state.fed.tolist()
+            state.fed = None
         keep = 0
         for a, b in zip(state.cached, tokens[:-1]):  # the root is always re-fed for its logits
             if a != b:
@@ -62,6 +68,11 @@ class ChainLMDrafter(Drafter):
             state.cache.crop(keep - len(state.cached))
             state.cached = state.cached[:keep]
         return self._feed(state, tokens[keep:])
+
+    def observe(self, state: ChainState, commit: Commit) -> None:
+        """The fed drafts, from the step's tree as the engine read it: no read of their own."""
+        if isinstance(state.fed, torch.Tensor) and commit.drafted is not None:
+            state.fed = commit.drafted.tokens[: state.fed.numel()].tolist()
 
     def propose(self, state: ChainState, request: DraftRequest) -> DraftTree:
         depth = min(self.num_tokens, request.max_depth)
@@ -96,9 +107,10 @@ class ChainLMDrafter(Drafter):
                 logits = self._forward(len(state.cached) + i, tok, state.cache)
         if not tokens:
             return DraftTree.chain([], torch.zeros(0))
-        drafted = torch.cat(tokens).view(-1).tolist()
-        state.cached += drafted[:-1]  # the fed ones: all but the last
-        return DraftTree.chain(drafted, torch.stack(logps).cpu())
+        drafted = torch.cat(tokens).view(-1)  # stays where it was drafted: the host reads it with the verify's answer
+        state.fed = drafted[:-1]  # the fed ones: all but the last
+        return DraftTree(drafted, torch.arange(depth, device=drafted.device), torch.stack(logps).view(-1),
+                         info={"max_depth": depth})
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

@@ -303,19 +303,19 @@ class Eagle2Drafter(TrainedDrafter):
             if b == 1 and cache.get_seq_length() > accepted[0]:
                 cache.crop(accepted[0] - cache.get_seq_length())
         flat = [torch.cat(x, dim=1) for x in (scores, tokens, logps, parents, depths)]
-        return [self._tree(*(x[i] for x in flat), count) for i in range(b)]
+        return [self._tree(*(x[i] for x in flat), count, depth) for i in range(b)]
 
-    def _tree(self, score, tokens, logps, parents, depths, count: int) -> DraftTree:
-        """One lane's candidates reranked: the total_tokens best, a parent always before its children."""
+    def _tree(self, score, tokens, logps, parents, depths, count: int, depth: int) -> DraftTree:
+        """One lane's candidates reranked: the total_tokens best, a parent always before its children. The tree
+        stays where it grew: on a GPU the host reads it with the verify's answer (``core.tree.on_host``)."""
         key = score - 1e-4 * depths  # a parent always outranks its children
         keep, rank = key.topk(min(self.settings.total_tokens, key.numel())).indices.sort()  # ids grow with depth
         index = torch.full((count,), -1, dtype=torch.long, device=keep.device)
         index[keep] = torch.arange(1, keep.numel() + 1, device=keep.device)
         parent_ids = parents[keep]
         parent_input = torch.where(parent_ids < 0, torch.zeros_like(parent_ids), index[parent_ids.clamp_min(0)])
-        # the host reads the tree once: one copy of its integer columns, one of its log-probabilities
-        ints = torch.stack([self.frozen.vocab_map[tokens[keep]], parent_input, rank]).cpu()
-        return DraftTree(ints[0], ints[1], logps[keep].cpu(), info={"rank": ints[2]})
+        return DraftTree(self.frozen.vocab_map[tokens[keep]], parent_input, logps[keep],
+                         info={"rank": rank, "max_depth": depth})
 
 
 def stacked(caches: list[DynamicCache], lengths: list[int]) -> DynamicCache:

@@ -23,7 +23,7 @@ from torch import nn
 
 from specviz.core.errors import SettingsError
 from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings, lanes_by_depth
-from specviz.core.transfer import to_device
+from specviz.core.transfer import to_device, to_host
 from specviz.core.tree import DraftTree
 
 from .trained import TrainedDrafter
@@ -143,8 +143,15 @@ class HeadDrafter(TrainedDrafter):
         return self._tree(beams, logps)
 
     def _tree(self, beams: torch.Tensor, logps: torch.Tensor) -> DraftTree:
+        """The beams as one tree. Merged by prefix (tree attention), its size depends on the tokens, so the host
+        reads the beams first (one copy); kept apart, or a single beam, the tree stays where it was drafted, read
+        with the verify's answer (``core.tree.on_host``)."""
         merged = getattr(self.settings, "tree_attention", 1)  # ReDrafter's ablation can keep the beams apart
-        return (DraftTree.from_beams if merged else DraftTree.from_beams_apart)(beams.cpu(), logps.cpu())
+        if merged and beams.shape[0] > 1:
+            return DraftTree.from_beams(*to_host([beams, logps]))
+        tree = DraftTree.from_beams_apart(beams, logps)
+        tree.info["max_depth"] = beams.shape[1]
+        return tree
 
     @torch.inference_mode()
     def propose_batch(self, states: list[HeadState], requests: list[DraftRequest]) -> list[DraftTree]:

@@ -126,5 +126,7 @@ class MedusaDrafter(HeadDrafter):
         top_logp, top = logp.topk(self.settings.top_k, dim=-1)
         n = int((self.depth_of < depth).sum())  # choices are sorted by length: the shallow ones come first
         d, r = to_device(self.depth_of[:n], top.device), to_device(self.rank_of[:n], top.device)
-        return DraftTree(self.frozen.vocab_map[top[d, r]].cpu(), self.parent_of[:n], top_logp[d, r].cpu(), None,
-                         {"choices": self.choices[:n], "rank": self.keep_order[:n]})
+        # the tree stays where the heads ran: on a GPU the host reads it with the verify's answer
+        return DraftTree(self.frozen.vocab_map[top[d, r]], to_device(self.parent_of[:n], top.device), top_logp[d, r],
+                         None, {"choices": self.choices[:n], "rank": to_device(self.keep_order[:n], top.device),
+                                "max_depth": depth})

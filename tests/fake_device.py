@@ -6,7 +6,9 @@ factory) registers a copy, moving to the CPU makes an unregistered one, and ever
 mix the two raises ``DeviceMix``, as CUDA would: a CPU index into a device tensor and 0-dim CPU
 scalars are allowed; a device index into a CPU tensor, a CPU operand of a device op and a CPU
 generator drawing device samples are not. Everything computed from a device tensor is on the device.
-It lets the CPU-only suite run the engine and the drafters with the target "on a GPU".
+It lets the CPU-only suite run the engine and the drafters with the target "on a GPU". It also counts the host's
+reads of device tensors (``reads``: a copy to the CPU, ``item``, ``tolist``, a tensor taken as a Python bool or
+number), each of which waits for the device's queue on a real GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ DEVICE_GETTER = torch.Tensor.device.__get__
 PIN = torch.Tensor.pin_memory  # pinned host memory is host memory: a copy (this torch may have no accelerator)
 ALLOWED = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.copy_, torch.Tensor.item,
            torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__getitem__}
+READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__, torch.Tensor.__int__,
+         torch.Tensor.__float__, torch.Tensor.__index__}  # a device tensor's value read by the host
 METADATA = {"_has_compatible_shallow_copy_type", "__set__"}  # module.to(): compare, then swap ``param.data``
 NESTED = (tuple, list, deque, dict)  # what torch's pytree flattens in an op's arguments and results (subclasses too)
 
@@ -51,6 +55,7 @@ class FakeCuda(TorchFunctionMode):
         super().__init__()
         self.kept: dict[int, torch.Tensor] = {}  # storage pointer -> a tensor holding it (so it is never reused)
         self.empty: dict[int, torch.Tensor] = {}  # empty device tensors, by id (they have no storage)
+        self.reads = 0  # the host's reads of device tensors so far
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def on_device(self, t) -> bool:
@@ -83,6 +88,8 @@ class FakeCuda(TorchFunctionMode):
             if self.on_device(args[0]):
                 raise DeviceMix("pin_memory of a device tensor")
             return args[0].clone()
+        if func in READS and self.on_device(args[0]):
+            self.reads += 1
         kwargs = kwargs or {}
         if func in MOVES or kwargs.get("device") is not None:
             target = self._target_device(func, args, kwargs)
@@ -157,6 +164,8 @@ class FakeCuda(TorchFunctionMode):
             kwargs = {**kwargs, "device": "cpu"}
         out = func(*args, **kwargs)  # the mode is off inside its own handler
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if target == "cpu" and source is not None and self.on_device(source):
+            self.reads += 1
         if isinstance(out, torch.Tensor) and source is not None and out.numel() \
                 and out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() \
                 and self.on_device(source) != (target == "cuda"):

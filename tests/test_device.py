@@ -13,7 +13,7 @@ import drafters
 from conftest import make_llama, session_checkpoint
 from drafters.sps import AssistantDrafter, AssistantSettings
 from specviz.core.cache import for_model
-from specviz.core.engine import generate, output_ids, run
+from specviz.core.engine import DISPLAY, generate, output_ids, run
 from specviz.core.load import prepare
 from specviz.core.target import TargetModel
 from specviz.core.verify import Sampling
@@ -89,6 +89,35 @@ def test_every_method_decodes_on_a_gpu_as_on_the_cpu(method, target, greedy_on_t
             assert run(target, drafter, p, n, stop_on_eos=False).output_ids == greedy
             assert run(target, drafter, p, n, sampled, stop_on_eos=False).output_ids == sample
     assert fake_cuda.synced  # the phase timers waited for the device
+
+
+MERGED_BEAMS = {"redrafter", "semi-lstm"}  # their builders draft several beams, merged by prefix on the host
+
+
+@pytest.mark.parametrize("method", sorted(drafters.METHODS))
+def test_a_greedy_step_reads_the_device_once(method, target, greedy_on_the_cpu, fake_cuda):
+    """On a GPU each read of a device tensor waits for the device's queue. A greedy step's tree stays on the
+    device through the verify and the host reads it once, with the target's argmax and what the display shows
+    (the same figures as on the CPU): one read a step. Beams merged by prefix are read before the verify too (the
+    merged tree's size depends on the tokens): two."""
+    on_cpu = run(target, build(method, target), *CASES[0], stop_on_eos=False, observers=DISPLAY).records
+    with fake_cuda:
+        fake_cuda.place(target.model)
+        steps = generate(target, build(method, target, fake_cuda), *CASES[0], stop_on_eos=False, observers=DISPLAY)
+        reads, records = [], []
+        for _ in range(len(on_cpu)):
+            before = fake_cuda.reads
+            records.append(next(steps))
+            reads.append(fake_cuda.reads - before)
+    assert [t for r in records for t in r.tokens] == greedy_on_the_cpu[0]
+    beams = method in MERGED_BEAMS
+    assert reads == [1 + (beams and r.step > 0 and len(r.tree) > 0) for r in records]
+    assert any(len(r.tree) for r in records[1:]) or method == "ar"
+    for mine, cpu in zip(records, on_cpu):
+        assert mine.shown and not cpu.shown and mine.path == cpu.path
+        assert mine.margins == pytest.approx(cpu.margins, rel=1e-5, abs=1e-6)
+        assert mine.bonus_target_p == pytest.approx(cpu.bonus_target_p, rel=1e-5, abs=1e-7)
+        torch.testing.assert_close(mine.node_target_p, cpu.node_target_p)
 
 
 def test_training_data_is_made_on_a_gpu_as_on_the_cpu(target, fake_cuda):
@@ -173,6 +202,23 @@ def test_host_tensors_go_to_the_device_through_pinned_copies(fake_cuda):
         x += 10
         assert moved.device.type == "cuda" and moved.cpu().tolist() == [0, 1, 2, 3]
         assert to_device(moved, "cuda") is moved
+
+
+def test_the_host_reads_many_device_tensors_in_one_copy_bit_for_bit(fake_cuda):
+    """``to_host``: device tensors of any dtype and shape come back as they were, every bit (NaN and -0.0 too),
+    in one read; host tensors among them are the very tensors; nothing on the device, nothing read."""
+    from specviz.core.transfer import to_host
+
+    host = [torch.tensor([[1, -2], [3, 2**40]]), torch.tensor([float("nan"), -0.0, 1e-30, -3.5]),
+            torch.tensor([True, False]), torch.randn(3).bfloat16(), torch.randn(2, 2).half(), torch.zeros(0)]
+    with fake_cuda:
+        assert all(a is b for a, b in zip(to_host(host), host)) and fake_cuda.reads == 0
+        back = to_host([t.to("cuda") for t in host] + [host[0]])
+        assert fake_cuda.reads == 1 and back[-1] is host[0]
+    for mine, want in zip(back, host):
+        assert mine.device.type == "cpu" and mine.dtype == want.dtype and mine.shape == want.shape
+        assert torch.equal(mine.view(torch.uint8) if mine.is_floating_point() else mine,
+                           want.view(torch.uint8) if want.is_floating_point() else want)
 
 
 @pytest.mark.parametrize("method, settings", [("ar", {}), ("pld", {}),

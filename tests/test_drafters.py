@@ -130,16 +130,17 @@ def test_chain_drafter_incremental_equals_fresh(kind, greedy, tiny_llama):
 
 
 def test_chain_lm_keeps_only_the_shared_prefix_cached(tiny_llama):
-    """After the sequence changes (rejected drafts), only the tokens both sequences share stay cached."""
+    """After the sequence changes (rejected drafts), only the tokens both sequences share stay cached. The cache
+    holds the sequence's tokens and the fed drafts, which the host has not read (``ChainState.fed``)."""
     target = TargetModel(tiny_llama(24, seed=0, num_layers=4))
     drafter = build_drafter("skip", target, layers=2, num_tokens=3)
     assert isinstance(drafter, ChainLMDrafter)
     greedy = Sampling()
     state = drafter.start()
     drafter.propose(state, DraftRequest([1, 2, 3, 4, 5], 3, greedy))
-    assert state.cached[:5] == [1, 2, 3, 4, 5] and state.cache.get_seq_length() == len(state.cached)
+    assert state.cached == [1, 2, 3, 4, 5] and state.cache.get_seq_length() == len(state.cached) + len(state.fed) == 7
     drafter.propose(state, DraftRequest([1, 2, 3, 9, 9, 9], 3, greedy))  # diverges after three tokens
-    assert state.cached[:6] == [1, 2, 3, 9, 9, 9] and state.cache.get_seq_length() == len(state.cached)
+    assert state.cached == [1, 2, 3, 9, 9, 9] and state.cache.get_seq_length() == len(state.cached) + len(state.fed)
     fresh = drafter.start()
     assert fresh.cached == [] and fresh.cache.get_seq_length() == 0
 

@@ -29,14 +29,15 @@ from .engine import Decode, StepRecord, check_request, settle
 from .protocol import Drafter
 from .target import TargetError, TargetModel
 from .timing import PhaseTimer
-from .tree import DraftTree
+from .tree import DraftTree, on_host
 from .verify import Sampling, follows_argmax, top_ids
 
 
 def drafted_blocks(lanes: list[Decode], drafter: Drafter, sampling: Sampling, pasts: list[int]) -> list[tuple]:
     """Per lane, (tree, input ids, positions, tree mask [n, n]) of what it feeds this step; the drafter drafts for
-    every lane at once (``Drafter.propose_batch``)."""
-    trees = drafter.propose_batch([lane.state for lane in lanes], [lane.request(sampling) for lane in lanes])
+    every lane at once (``Drafter.propose_batch``) and the host reads every lane's tree in one copy."""
+    requests = [lane.request(sampling) for lane in lanes]
+    trees, _ = on_host(drafter.propose_batch([lane.state for lane in lanes], requests))
     return [(tree, tree.input_ids(lane.sequence[-1]), tree.positions(past)[0], tree.ancestors())
             for tree, lane, past in zip(trees, lanes, pasts)]
 

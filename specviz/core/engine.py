@@ -21,8 +21,8 @@ from .protocol import Commit, Drafter, DraftRequest
 from .target import TargetModel, VerifyPadding
 from .timing import PhaseTimer, Timings
 from .transfer import to_device
-from .tree import DraftTree
-from .verify import Decision, Sampling, accept, probabilities, top_ids
+from .tree import DraftTree, on_host
+from .verify import Decision, Sampling, accept, follows_argmax, probabilities, top_ids
 
 
 @dataclass(kw_only=True)
@@ -39,6 +39,7 @@ class StepRecord:
     margins: list[float] = field(default_factory=list)  # per emitted token: the target's top-1 minus top-2 logit
     node_target_p: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [N] target p of each node
     bonus_target_p: float | None = None  # target p of the bonus token
+    shown: bool = False  # the display extras came with the step's one read (``settle``): observers leave them
 
     @property
     def accepted(self) -> int:
@@ -98,20 +99,37 @@ def _fill_margins(seen: Verified, gaps: list[float]) -> None:
     seen.record.margins = gaps[: len(seen.record.tokens)]
 
 
+def _display_rows(tree: DraftTree, logits: torch.Tensor, sampling: Sampling) -> list[torch.Tensor]:
+    """On the logits' device, before the accept rule: what ``hover`` and ``margins`` show, for every row, so a GPU
+    fetches them with the step's one read: the target's probability of each node given its parent [N], of each
+    row's argmax [N+1] (the bonus, under a rule that follows the argmax) and each row's top-1 minus top-2 logit."""
+    probs = torch.softmax(logits.float(), -1) if sampling.greedy else probabilities(logits, sampling)
+    node = probs[to_device(tree.parents, logits.device), to_device(tree.tokens, logits.device)]
+    best = probs.gather(-1, top_ids(logits)[:, None])[:, 0]
+    if logits.shape[-1] < 2:
+        return [node, best, torch.full((logits.shape[0],), float("inf"), device=logits.device)]
+    top = logits.topk(2, dim=-1).values
+    return [node, best, (top[:, 0] - top[:, 1]).float()]
+
+
 def hover(seen: Verified) -> None:
     """The target's probability of each draft token given its parent and of the bonus token, as hovers
     show it: the sampling distribution, or the softmax at T=1 when greedy."""
-    _fill_hover(seen, _shown_p(seen).cpu())
+    if not seen.record.shown:
+        _fill_hover(seen, _shown_p(seen).cpu())
 
 
 def margins(seen: Verified) -> None:
     """Each emitted token's margin: the target's top-1 minus top-2 logit where it chose it (how close that
     choice came to a tie)."""
-    _fill_margins(seen, _gaps(seen).cpu().tolist())
+    if not seen.record.shown:
+        _fill_margins(seen, _gaps(seen).cpu().tolist())
 
 
 def display(seen: Verified) -> None:
     """``hover`` and ``margins`` together, computed on the device and fetched to the host in one copy."""
+    if seen.record.shown:
+        return
     shown = _shown_p(seen)
     both = torch.cat([shown.float(), _gaps(seen)]).cpu()
     _fill_hover(seen, both[: shown.numel()])
@@ -172,10 +190,19 @@ def settle(drafter: Drafter, decode: Decode, tree: DraftTree, logits: torch.Tens
     """After a verify: accept, commit the kept rows (``commit(keep)``; none at the prefill, where the whole prompt
     is committed), tell the drafter, grow the output (cut at EOS or the limit); the step's record.
 
-    ``logits`` and ``feats`` are this decode's rows of the verify input (``inputs``, root first; at the prefill
-    the prompt's last logits and every position's features); ``top``: their argmax per row, where the caller
-    read it already (``verify.accept``)."""
+    ``logits`` and ``feats`` are this decode's rows of the verify input (``inputs``, root first; None: the tree's
+    own after the root, ``decode.sequence[-1]``; at the prefill the prompt's last logits and every position's
+    features); ``top``: their argmax per row, where the caller read it already (``verify.accept``). A tree still on
+    the device is read here, with the argmax where the rule reads only that, and on a GPU with what a display
+    shows (``explain``): the step's one wait for the device."""
     with timer("accept"):
+        argmax = follows_argmax(sampling) and top is None
+        shown = explain and argmax and logits.device.type != "cpu"  # on the CPU a read costs no wait
+        extra = [top_ids(logits)] * argmax + (_display_rows(tree, logits, sampling) if shown else [])
+        (tree,), read = on_host([tree], extra)
+        top = read.pop(0).tolist() if argmax else top
+        if inputs is None and decode.step:
+            inputs = tree.input_ids(decode.sequence[-1])
         result = accept(tree, logits, sampling, decode.generator, explain=explain, top=top)
         keep = [0] + result.path
         if decode.step == 0:
@@ -187,7 +214,7 @@ def settle(drafter: Drafter, decode: Decode, tree: DraftTree, logits: torch.Tens
             if drafter.reads_verified_top:  # the greedy rule has read it already: no second copy from the device
                 top = torch.tensor(result.top) if result.top is not None else top_ids(logits).cpu()
             rows = torch.tensor(keep)  # a list index into a device tensor would be copied over blocking
-            done = Commit(inputs[rows], feats[to_device(rows, feats.device)], result.bonus, top)
+            done = Commit(inputs[rows], feats[to_device(rows, feats.device)], result.bonus, top, tree)
             new = done.tokens[1:].tolist() + [result.bonus]
     with timer("draft"):
         drafter.observe(decode.state, done)
@@ -197,6 +224,10 @@ def settle(drafter: Drafter, decode: Decode, tree: DraftTree, logits: torch.Tens
         decode.produced += len(new)
     record = StepRecord(step=decode.step, tree=tree, path=result.path, tokens=new, bonus=result.bonus,
                         timings=timer.timings, finished=finished, decisions=result.decisions)
+    if shown:
+        node_p, best_p, gaps = read
+        record.node_target_p, record.bonus_target_p = node_p, float(best_p[keep[-1]])
+        record.margins, record.shown = gaps[keep].tolist()[: len(new)], True
     decode.step += 1
     return record
 
@@ -229,7 +260,7 @@ def generate(
     while finished is None:
         timer = PhaseTimer(target.device)
         if decode.step == 0:  # the prefill: no draft; the whole prompt is what gets committed
-            tree, inputs, past = DraftTree.empty(), None, 0
+            tree, past = DraftTree.empty(), 0
             with timer("draft"):
                 decode.state = drafter.start() if decode.state is None else decode.state
             with timer("verify"):
@@ -239,9 +270,9 @@ def generate(
             with timer("draft"):
                 tree = decode.propose(drafter, sampling)
             with timer("verify"):
-                past, inputs = cache.get_seq_length(), tree.input_ids(decode.sequence[-1])
+                past = cache.get_seq_length()
                 logits, feats = target.verify(decode.sequence[-1], tree, cache, padding)
-        record = settle(drafter, decode, tree, logits, feats, inputs,
+        record = settle(drafter, decode, tree, logits, feats, None,
                         lambda keep: target.commit(cache, past, keep), sampling, eos, timer, bool(observers))
         finished = record.finished
         if observers:  # decisions: for a display

@@ -33,6 +33,7 @@ class Commit:
     # [N+1] the target's top token after every verified node, root first; only for a drafter that sets
     # ``reads_verified_top`` (an argmax over the vocabulary and a host copy per step: not for the rest)
     verified_top: torch.Tensor | None = None
+    drafted: DraftTree | None = None  # the step's draft tree as the host read it (None at the prefill)
 
 
 @dataclass

@@ -3,15 +3,22 @@
 Node 0 of the verify input is the *root*: the last token the target emitted, not yet in its
 cache. Draft nodes are numbered 1..N in that input; ``parents[i]`` is the input index of node
 i+1's parent (0 = root) and always precedes it, so parents come before children.
+
+A tree grown on a GPU may stay there (``on_device``) through the verify: its input ids, positions and mask are
+built from it on the device, and the host reads it once, with the target's answer (``on_host``), so a step waits
+for the device once. Its rules are checked when it is read; until then its depth is the bound the drafter gives
+(``info["max_depth"]``, else its size) and it is verified as a tree (a chain's causal mask needs its shape read).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import SettingsError
+from .transfer import to_host
 
 _NO_TOKENS = torch.zeros(0, dtype=torch.long)
 
@@ -40,6 +47,9 @@ class DraftTree:
     def __post_init__(self) -> None:
         self.tokens = self.tokens.reshape(-1).long()
         self.parents = self.parents.reshape(-1).long()
+        self._depths: torch.Tensor | None = None  # a device tree's, made on the device when asked
+        if self.on_device:  # checked when the host reads it (``on_host``): reading it here would wait for the device
+            return
         n = self.tokens.numel()
         if self.parents.numel() != n:
             raise TreeError(f"{n} tokens but {self.parents.numel()} parents")
@@ -95,8 +105,8 @@ class DraftTree:
         checks (each beam on its own, as ReDrafter's ablation flattens them). Beam w's depth-d token is node
         w * L + d + 1."""
         width, length = beams.shape
-        index = torch.arange(width * length).reshape(width, length) + 1
-        parents = torch.cat([torch.zeros(width, 1, dtype=torch.long), index[:, :-1]], dim=1)
+        index = torch.arange(width * length, device=beams.device).reshape(width, length) + 1
+        parents = torch.cat([index.new_zeros(width, 1), index[:, :-1]], dim=1)
         tree = cls(beams.reshape(-1), parents.reshape(-1), None if logprobs is None else logprobs.reshape(-1))
         tree.info.update(beams=beams.clone(), beam_nodes=index, compression=1.0)
         return tree
@@ -104,46 +114,64 @@ class DraftTree:
     def padded(self, extra: int) -> "DraftTree":
         """This tree plus ``extra`` filler nodes after every real one, so none of them is an ancestor of a
         real node: a chain continues as a chain, a tree gets children of the root."""
-        filler = torch.zeros(extra, dtype=torch.long)
+        filler = self.tokens.new_zeros(extra)
         n = len(self)
-        parents = torch.arange(n, n + extra) if self.is_chain else filler
-        return DraftTree(torch.cat([self.tokens, filler]), torch.cat([self.parents, parents]))
+        parents = torch.arange(n, n + extra, device=filler.device) if self.is_chain else filler
+        return DraftTree(torch.cat([self.tokens, filler]), torch.cat([self.parents, parents]),
+                         info={"max_depth": self.max_depth} if self.on_device else {})
 
     def __len__(self) -> int:
         return self.tokens.numel()
 
     @property
+    def on_device(self) -> bool:
+        """Whether the tree's tensors sit on a device (a GPU), unread by the host."""
+        return self.tokens.device.type != "cpu"
+
+    @property
     def depths(self) -> torch.Tensor:
-        """[N] depth of each node (root children have depth 1)."""
+        """[N] depth of each node (root children have depth 1), on the tree's device."""
+        if self._depths is None:
+            self._depths = self.ancestors()[1:].sum(-1) - 1
         return self._depths
 
     @property
     def is_chain(self) -> bool:
-        return bool((self.parents == torch.arange(len(self))).all())
+        """Whether each node's parent is the node before it (False for a tree on the device: unread)."""
+        return not self.on_device and bool((self.parents == torch.arange(len(self))).all())
 
     @property
     def max_depth(self) -> int:
+        """The deepest node's depth; on the device, the drafter's bound (its size where it gave none)."""
+        if self.on_device:
+            return min(int(self.info.get("max_depth", len(self))), len(self))
         return int(self._depths.max()) if len(self) else 0
 
     def input_ids(self, root: int) -> torch.Tensor:
-        return torch.cat([torch.tensor([root], dtype=torch.long), self.tokens])
+        return torch.cat([torch.full((1,), root, dtype=torch.long, device=self.tokens.device), self.tokens])
 
     def ancestors(self) -> torch.Tensor:
-        """[N+1, N+1] bool: row i marks i itself and all its ancestors (root included)."""
-        n = len(self) + 1
-        anc = torch.eye(n, dtype=torch.bool)
-        for i, p in enumerate(self.parents.tolist(), start=1):
-            anc[i] |= anc[p]
+        """[N+1, N+1] bool, on the tree's device: row i marks i itself and all its ancestors (root included).
+        Built from parent links by squaring: after k squarings a row reaches 2^k steps up, so about log2(N)
+        products and no read of the parents."""
+        n, device = len(self) + 1, self.parents.device
+        anc = torch.eye(n, dtype=torch.bool, device=device)
+        anc[torch.arange(1, n, device=device), self.parents] = True
+        reach = 1
+        while reach < n - 1:
+            square = anc.float()
+            anc = (square @ square) > 0
+            reach *= 2
         return anc
 
     def positions(self, past: int) -> torch.Tensor:
         """[1, N+1] position ids: the root sits at ``past``, a depth-d node at ``past + d``."""
-        return (past + torch.cat([torch.zeros(1, dtype=torch.long), self._depths]))[None]
+        return (past + torch.cat([self.parents.new_zeros(1), self.depths]))[None]
 
     def attention_mask(self, past: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[1, 1, N+1, past+N+1] additive mask: every node sees the cache and its own ancestors."""
-        allowed = torch.cat([torch.ones(len(self) + 1, past, dtype=torch.bool), self.ancestors()], dim=1)
-        return additive_mask(allowed, dtype)
+        seen = torch.ones(len(self) + 1, past, dtype=torch.bool, device=self.parents.device)
+        return additive_mask(torch.cat([seen, self.ancestors()], dim=1), dtype)
 
     def children(self) -> list[list[int]]:
         """Input indices of each input node's children, in node order."""
@@ -163,3 +191,21 @@ class DraftTree:
                     node = int(self.parents[node - 1])
                 paths.append(path[::-1])
         return paths
+
+
+def on_host(trees: Sequence[DraftTree], extra: Sequence[torch.Tensor] = ()) -> tuple[list[DraftTree], list]:
+    """The trees, with their rules checked, and ``extra`` on the host: every device tensor among them (a device
+    tree's tokens, parents, log-probabilities, child distributions and tensors in ``info``) read in one copy."""
+    device = [t for t in trees if t.on_device]
+    tensors = [x for t in device for x in (*_fields(t), *t.info.values()) if isinstance(x, torch.Tensor)]
+    read = iter(to_host(tensors + list(extra)))
+
+    def hosted(t: DraftTree) -> DraftTree:  # takes its tensors from ``read`` in the order they went in
+        fields = [next(read) if x is not None else None for x in _fields(t)]
+        return DraftTree(*fields, info={k: next(read) if isinstance(v, torch.Tensor) else v for k, v in t.info.items()})
+
+    return [hosted(t) if t.on_device else t for t in trees], list(read)
+
+
+def _fields(tree: DraftTree) -> tuple:
+    return tree.tokens, tree.parents, tree.logprobs, tree.child_dists
