@@ -228,7 +228,9 @@ def test_the_host_reads_many_device_tensors_in_one_copy_bit_for_bit(fake_cuda):
                          ids=["ar", "pld", "eagle2", "redrafter", "redrafter-apart"])
 def test_batches_decode_on_a_gpu_as_on_the_cpu(method, settings, target, fake_cuda):
     """Batch size > 1 on the device (what a lent GPU's batch sweep runs): every sequence's greedy output equals its
-    own decode on the CPU, with a lane finishing early and the next prompt joining, and no tensor on the wrong side."""
+    own decode on the CPU, with a lane finishing early and the next prompt joining, and no tensor on the wrong side.
+    A batch step reads the device once (every lane's tree and argmax), as a joining lane's prefill does; merged
+    beams read once more for each lane's merge."""
     from specviz.core.batch import run_batch
 
     checkpoint = {} if method in ("ar", "pld") else {"checkpoint": str(session_checkpoint(target, method))}
@@ -241,6 +243,10 @@ def test_batches_decode_on_a_gpu_as_on_the_cpu(method, settings, target, fake_cu
         drafter = drafters.build_drafter(method, gpu, **checkpoint, **settings)
         records = run_batch(gpu, drafter, texts, limits, batch_size=2, stop_on_eos=False)
     assert [output_ids(r) for r in records] == alone
+    steps = {id(r.timings) for lane in records for r in lane if r.step}  # a batch step's lanes share its timings
+    merges = sum(1 for lane in records for r in lane if r.step and len(r.tree)) if "width" in settings and \
+        settings.get("tree_attention", 1) else 0
+    assert len(steps) > 2 and fake_cuda.reads == len(texts) + len(steps) + merges
 
 
 @real_gpu

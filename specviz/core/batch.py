@@ -29,32 +29,36 @@ from .engine import Decode, StepRecord, check_request, settle
 from .protocol import Drafter
 from .target import TargetError, TargetModel
 from .timing import PhaseTimer
+from .transfer import to_device
 from .tree import DraftTree, on_host
 from .verify import Sampling, follows_argmax, top_ids
 
 
 def drafted_blocks(lanes: list[Decode], drafter: Drafter, sampling: Sampling, pasts: list[int]) -> list[tuple]:
-    """Per lane, (tree, input ids, positions, tree mask [n, n]) of what it feeds this step; the drafter drafts for
-    every lane at once (``Drafter.propose_batch``) and the host reads every lane's tree in one copy."""
-    requests = [lane.request(sampling) for lane in lanes]
-    trees, _ = on_host(drafter.propose_batch([lane.state for lane in lanes], requests))
+    """Per lane, (tree, input ids, positions, tree mask [n, n]) of what it feeds this step, where the trees are (on a
+    GPU, read after the verify with the target's answer); the drafter drafts for every lane at once
+    (``Drafter.propose_batch``)."""
+    trees = drafter.propose_batch([lane.state for lane in lanes], [lane.request(sampling) for lane in lanes])
     return [(tree, tree.input_ids(lane.sequence[-1]), tree.positions(past)[0], tree.ancestors())
             for tree, lane, past in zip(trees, lanes, pasts)]
 
 
-def batch_mask(pasts: list[int], blocks: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def batch_mask(pasts: list[int], blocks: list[torch.Tensor], dtype: torch.dtype,
+               device: torch.device | None = None) -> torch.Tensor:
     """[B, 1, n, max(past) + n] additive mask: row b's query j (j < its block's n_b) sees its committed
     positions ``[0, past_b)`` and, inside its block, what ``blocks[b]`` allows. A padding query sees only itself,
-    so no row of the softmax is empty (an empty one is NaN, and NaN keys would poison later reads)."""
-    n = max(block.shape[0] for block in blocks)
+    so no row of the softmax is empty (an empty one is NaN, and NaN keys would poison later reads). Built on
+    ``device`` (None: the first block's)."""
+    n, device = max(block.shape[0] for block in blocks), device or blocks[0].device
     width = max(pasts) + n
-    allowed = torch.zeros(len(blocks), n, width, dtype=torch.bool)
+    allowed = torch.zeros(len(blocks), n, width, dtype=torch.bool, device=device)
     for b, (past, block) in enumerate(zip(pasts, blocks)):
         m = block.shape[0]
         allowed[b, :m, :past] = True
-        allowed[b, :m, past: past + m] = block
-        allowed[b, torch.arange(m, n), past + torch.arange(m, n)] = True
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        allowed[b, :m, past: past + m] = to_device(block, device)
+        pad = torch.arange(m, n, device=device)
+        allowed[b, pad, past + pad] = True
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
 
 
@@ -117,22 +121,24 @@ def generate_batch(
                 if past + tree.max_depth + 1 > target.max_length:
                     raise TargetError(f"verifying {tree.max_depth + 1} positions after {past} exceeds the "
                                       f"context of {target.max_length}")
-            n = max(ids.numel() for _, ids, _, _ in fed)
-            ids = torch.zeros(len(lanes), n, dtype=torch.long)
-            positions = torch.zeros(len(lanes), n, dtype=torch.long)
+            n, device = max(ids.numel() for _, ids, _, _ in fed), target.device  # lanes' trees: either side
+            ids = torch.zeros(len(lanes), n, dtype=torch.long, device=device)
+            positions = torch.zeros(len(lanes), n, dtype=torch.long, device=device)
             for b, (_, row_ids, row_positions, _) in enumerate(fed):
                 m = row_ids.numel()
-                ids[b, :m], positions[b, :m] = row_ids, row_positions
-                positions[b, m:] = row_positions[-1]  # padding: any position; nothing real sees it
-            mask = batch_mask(pasts, [block for *_, block in fed], target.dtype)
+                ids[b, :m], positions[b, :m] = to_device(row_ids, device), to_device(row_positions, device)
+                positions[b, m:] = positions[b, m - 1]  # padding: any position; nothing real sees it
+            mask = batch_mask(pasts, [block for *_, block in fed], target.dtype, device)
             logits, feats = target.forward_rows(ids, positions, mask, cache)
         ended = []
-        with timer("accept"):  # the greedy rule reads every lane's argmax in one copy from the device
-            tops = top_ids(logits).tolist() if follows_argmax(sampling) else [None] * len(lanes)
-        for b, (lane, (tree, row_ids, _, _), past) in enumerate(zip(lanes, fed, pasts)):
+        with timer("accept"):  # every lane's tree, and the argmax where the rule reads only that: one copy
+            argmax = follows_argmax(sampling)
+            trees, read = on_host([tree for tree, *_ in fed], [top_ids(logits)] * argmax)
+            tops = read[0].tolist() if argmax else [None] * len(lanes)
+        for b, (lane, tree, (_, row_ids, _, _), past) in enumerate(zip(lanes, trees, fed, pasts)):
             m = row_ids.numel()
             top = tops[b][:m] if tops[b] is not None else None
-            record = settle(drafter, lane, tree, logits[b, :m], feats[b, :m], row_ids,
+            record = settle(drafter, lane, tree, logits[b, :m], feats[b, :m], None,
                             lambda keep, b=b, past=past: cache.keep(b, past, keep), sampling, eos, timer, top=top)
             if record.finished is not None:
                 ended.append(b)
