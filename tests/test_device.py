@@ -159,6 +159,34 @@ def test_every_method_decodes_on_a_real_gpu_as_on_the_cpu(method, target):
 
 
 @real_gpu
+@pytest.mark.parametrize("method", ["ar", "pld", "eagle2", "medusa", "skip"])
+def test_a_greedy_step_syncs_once_on_a_real_gpu(method, target, greedy_on_the_cpu):
+    """What ``test_a_greedy_step_reads_the_device_once`` counts on the emulation, on CUDA: torch's sync debug mode
+    warns at every synchronizing operation it knows (a copy to the host, ``.item()``, ``nonzero``), and a greedy
+    step, the display on, sets off one (the phase timers' events, read once a step, are counted apart)."""
+    import warnings
+
+    gpu = TargetModel(prepare(make_llama(VOCAB, seed=0, num_layers=4).to("cuda")))
+    steps = generate(gpu, build(method, gpu), *CASES[0], stop_on_eos=False, observers=DISPLAY)
+    syncs, records = [], []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        while True:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                record = next(steps, None)
+            if record is None:
+                break
+            records.append(record)
+            syncs.append([f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+                          and not w.filename.endswith("timing.py")])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [t for r in records for t in r.tokens] == greedy_on_the_cpu[0]
+    assert all(len(s) <= 1 for s in syncs[1:]), syncs
+
+
+@real_gpu
 def test_cuda_graphs_decode_as_the_eager_gpu_path(greedy_on_the_cpu):
     """The compiled target on a GPU replays CUDA graphs over the whole buffer: greedy fp32 output of AR, a chain and
     random trees equals the CPU's, also where a decode outgrows its buffer (new addresses: graphs recorded anew).
