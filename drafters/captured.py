@@ -46,6 +46,13 @@ def capture_drafters(target) -> bool:
     return choice == "compiled" or target.device.type != "cpu"
 
 
+def capture_heads(target) -> bool:
+    """Whether hidden-state drafters (Medusa, ReDrafter, semi-AR) compile their drafts for ``target``: only where
+    asked (``SPECVIZ_DRAFTER_ENGINE=compiled``) on a compiled target. Each draft shape is a graph of its own (a
+    tuner's every width and length), which a GPU has not yet timed against the launches it saves."""
+    return capture_drafters(target) and os.environ.get("SPECVIZ_DRAFTER_ENGINE") == "compiled"
+
+
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 CAPTURE_LOCK = threading.Lock()  # held while a drafter's graphs are looked up or compiled
 
@@ -68,15 +75,48 @@ class _Head(nn.Module):
         return F.linear(x, self.weight.to(x.dtype))
 
 
-class CapturedDraft:
+class Captured:
+    """What a drafter's compiled forwards share: ``ready`` once ``warm`` has compiled every graph a decode asks for,
+    ``error`` where that failed (the drafter stays eager), ``calls`` that went through them, ``graphs``: replayed as
+    CUDA graphs, whose outputs are copied out before the next replay."""
+
+    def __init__(self, graphs: bool):
+        self.graphs = graphs
+        self.ready, self.error, self.compile_s = False, None, None
+        self.calls = 0  # forwards that went through the graphs: what tests and the profile read
+
+    def fail(self, error: Exception) -> None:
+        """A graph broke: the drafter drafts eagerly from here on, and says why."""
+        self.ready, self.error = False, f"failed while drafting: {failure_text(error)}"
+        warnings.warn(f"the drafter's compiled forwards stopped: {self.error}", stacklevel=3)
+
+    def warm(self, draft) -> bool:
+        """Compile every graph a decode asks for by running ``draft()`` (the drafter's scratch decode) through them;
+        then ready. Returns whether it is; a failure is kept as ``error`` and the drafter stays eager."""
+        start = time.perf_counter()
+        self.ready = True  # the scratch decode goes through the graphs
+        try:
+            with torch.inference_mode():  # as decoding runs: a graph compiled with autograd on would not be reused
+                draft()
+        except Exception as e:  # noqa: BLE001 - any failure means: stay eager, say why
+            self.ready = False
+            self.error = failure_text(e)
+        if not self.ready:  # failed, here or inside a forward (``fail``)
+            warnings.warn(f"the drafter's forwards stay eager: {self.error}", stacklevel=2)
+            return False
+        self.compile_s = time.perf_counter() - start
+        self.calls = 0
+        return True
+
+
+class CapturedDraft(Captured):
     """A feature drafter's ``step`` (network over features and tokens) and ``top`` (head log-probabilities, top k)
-    compiled; ``ready`` once ``warm`` has compiled them, ``error`` where that failed (the drafter stays eager).
-    ``layout`` as its target's (``core.capture``): on a GPU the step reads its cache's whole buffer and both replay
-    as CUDA graphs, whose outputs are copied out before the next replay."""
+    compiled. ``layout`` as its target's (``core.capture``): on a GPU the step reads its cache's whole buffer and both
+    replay as CUDA graphs."""
 
     def __init__(self, net: nn.Module, frozen, device: torch.device, layout: str | None = None):
         self.layout = layout or default_layout(device)
-        self.graphs = device.type == "cuda" and self.layout == "buffer"
+        super().__init__(device.type == "cuda" and self.layout == "buffer")
         embed, head = frozen.embedding, _Head(frozen.head)
 
         def step(feats, tokens, positions, mask, cache):
@@ -88,8 +128,6 @@ class CapturedDraft:
         if device.type == "cpu":
             register(net)  # its packed layers' calls in C++ where the rows extension loads (``core.packing``)
         self.step, self.top = compile_forward(step, device, self.graphs), compile_forward(top, device, self.graphs)
-        self.ready, self.error, self.compile_s = False, None, None
-        self.calls = 0  # forwards that went through the graphs: what tests and the profile read
 
     def usable(self, feats: torch.Tensor, cache) -> bool:
         """Whether this network call may run compiled: one lane on a slab cache whose buffers exist."""
@@ -122,25 +160,23 @@ class CapturedDraft:
             self.fail(e)
             return None
 
-    def fail(self, error: Exception) -> None:
-        """A graph broke: the drafter drafts eagerly from here on, and says why."""
-        self.ready, self.error = False, f"failed while drafting: {failure_text(error)}"
-        warnings.warn(f"the drafter's compiled forwards stopped: {self.error}", stacklevel=3)
 
-    def warm(self, draft) -> bool:
-        """Compile every graph a decode asks for by running ``draft()`` (the drafter's scratch decode) through them;
-        then ready. Returns whether it is; a failure is kept as ``error`` and the drafter stays eager."""
-        start = time.perf_counter()
-        self.ready = True  # the scratch decode goes through the graphs
+class CapturedHeads(Captured):
+    """A hidden-state drafter's whole draft at its full length as one graph (``draft``: Medusa's heads and their top
+    k; the beam search of ReDrafter and semi-AR, every depth's head, top k and step), for one lane. A shorter draft
+    (near a decode's end) and a batch's lanes run eager."""
+
+    def __init__(self, draft, net: nn.Module, device: torch.device):
+        super().__init__(device.type == "cuda")
+        if device.type == "cpu":
+            register(net)
+        self.draft = compile_forward(draft, device, self.graphs)
+
+    def run(self, *args):
+        """``draft(*args)``; None where the graph broke (``fail``): the caller drafts eagerly instead."""
+        self.calls += 1
         try:
-            with torch.inference_mode():  # as decoding runs: a graph compiled with autograd on would not be reused
-                draft()
-        except Exception as e:  # noqa: BLE001 - any failure means: stay eager, say why
-            self.ready = False
-            self.error = failure_text(e)
-        if not self.ready:  # failed, here or inside a forward (``fail``)
-            warnings.warn(f"the drafter's forwards stay eager: {self.error}", stacklevel=2)
-            return False
-        self.compile_s = time.perf_counter() - start
-        self.calls = 0
-        return True
+            return run_graph(self.draft, self.graphs, *args)
+        except Exception as e:  # noqa: BLE001 - whatever broke the graph: draft on eagerly, saying why
+            self.fail(e)
+            return None

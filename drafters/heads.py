@@ -26,6 +26,7 @@ from specviz.core.protocol import BudgetGrid, Commit, DraftRequest, Settings, la
 from specviz.core.transfer import to_device, to_host
 from specviz.core.tree import DraftTree
 
+from .captured import CAPTURE_LOCK, CapturedHeads, capture_heads, shared_captures
 from .trained import TrainedDrafter
 from .training.losses import chain_loss
 
@@ -59,6 +60,11 @@ def beam_search_batch(net, frozen, x: torch.Tensor, roots: torch.Tensor, width: 
                       length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Beam search for G decodes at once (a batch's lanes): x [G, H] and roots [G]; beams [G, W, L] and their
     tokens' log-probs. Each lane keeps its own ``width`` best; the network runs every lane's beams in one call."""
+    return search(net, frozen, x, roots, width, length)
+
+
+def search(net, frozen, x: torch.Tensor, roots: torch.Tensor, width: int, length: int):
+    """``beam_search_batch``'s body, as a compiled draft traces it (``drafters.captured.CapturedHeads``)."""
     vocab, g = frozen.vocab_map.numel(), x.shape[0]
     state = net.start(x, frozen.embed(roots).to(x.dtype))
     rows, beams = x, 1  # rows: every lane's beams, lane-major
@@ -134,12 +140,47 @@ class HeadDrafter(TrainedDrafter):
         state.x = self.features(commit)[-1:]
         state.root = commit.pending
 
+    # -- a compiled draft (``drafters.captured``; only where asked: ``capture_heads``) ----------------------------
+    capture: CapturedHeads | None = None
+
+    def capture_forwards(self, target) -> str:
+        """The draft at this drafter's full length compiled once per target, checkpoint and draft shape in a
+        process (a drafter built again takes the graph of the first), warmed on made-up features."""
+        if not capture_heads(target):
+            return "eager"
+        key = (self.name, self.settings.checkpoint, repr(self.card.get("network")), repr(self.settings))
+        with CAPTURE_LOCK:  # dynamo compiles one thing at a time
+            shared = shared_captures(target.model)
+            if key not in shared:
+                capture = CapturedHeads(self._draft_function(), self.net, self.device)
+                capture.warm(lambda: capture.run(*self._draft_inputs(
+                    torch.zeros(1, self.hidden_size, dtype=self.dtype, device=self.device), 0)))
+                shared[key] = (self.net, self.frozen, capture)
+            self.net, self.frozen, self.capture = shared[key]
+        return "compiled" if self.capture.ready else f"eager ({self.capture.error})"
+
+    def _draft_function(self):
+        net, frozen, width, length = self.net, self.frozen, self.settings.width, self.settings.length
+        return lambda x, roots: search(net, frozen, x, roots, width, length)
+
+    def _draft_inputs(self, x: torch.Tensor, root: int) -> tuple:
+        return x, to_device(torch.tensor([root]), x.device)
+
+    def _compiled(self, state: HeadState, depth: int, full: int):
+        """The compiled draft's output for ``state``, where it may run (the full length) and ran; else None."""
+        if self.capture is None or not self.capture.ready or depth != full:
+            return None
+        # a copy made here, under inference mode as the warm-up's inputs were: a graph is kept per input's kind
+        return self.capture.run(*self._draft_inputs(state.x.clone(), state.root))
+
     @torch.inference_mode()
     def propose(self, state: HeadState, request: DraftRequest) -> DraftTree:
         length = min(self.settings.length, request.max_depth)
         if length < 1 or state.x is None:
             return DraftTree.empty()
-        beams, logps = beam_search(self.net, self.frozen, state.x, state.root, self.settings.width, length)
+        out = self._compiled(state, length, self.settings.length)
+        beams, logps = (out[0][0], out[1][0]) if out is not None else beam_search(
+            self.net, self.frozen, state.x, state.root, self.settings.width, length)
         return self._tree(beams, logps)
 
     def _tree(self, beams: torch.Tensor, logps: torch.Tensor) -> DraftTree:

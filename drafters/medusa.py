@@ -94,6 +94,13 @@ class MedusaSettings(Settings):
         return [BudgetGrid("heads", "total_tokens", (("top_k", 8),), depths=tuple(range(1, DEPTH + 1)))]
 
 
+def heads_top(net, frozen, x: torch.Tensor, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best draft tokens of heads 1..``depth`` after feature ``x`` [1, H]: log-probabilities and
+    draft-vocabulary ids, [depth, k] each."""
+    head_in = torch.cat([net.head((), x, d) for d in range(1, depth + 1)])
+    return torch.log_softmax(net.logits(head_in, frozen).float(), dim=-1).topk(k, dim=-1)
+
+
 class MedusaDrafter(HeadDrafter):
     name = "medusa"
     title = "Medusa: K independent heads, static sparse tree (typical acceptance is lossy)"
@@ -116,14 +123,21 @@ class MedusaDrafter(HeadDrafter):
         self.keep_order = torch.empty(len(order), dtype=torch.long)
         self.keep_order[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
 
+    def _draft_function(self):
+        net, frozen, heads, k = self.net, self.frozen, self.settings.heads, self.settings.top_k
+        return lambda x: heads_top(net, frozen, x, heads, k)
+
+    def _draft_inputs(self, x: torch.Tensor, root: int) -> tuple:
+        return (x,)
+
     @torch.inference_mode()
     def propose(self, state: HeadState, request: DraftRequest) -> DraftTree:
         depth = min(self.settings.heads, request.max_depth)
         if depth < 1 or state.x is None:
             return DraftTree.empty()
-        head_in = torch.cat([self.net.head((), state.x, d) for d in range(1, depth + 1)])
-        logp = torch.log_softmax(self.net.logits(head_in, self.frozen).float(), dim=-1)  # [depth, V']
-        top_logp, top = logp.topk(self.settings.top_k, dim=-1)
+        out = self._compiled(state, depth, self.settings.heads)
+        top_logp, top = out if out is not None else heads_top(self.net, self.frozen, state.x, depth,
+                                                              self.settings.top_k)
         n = int((self.depth_of < depth).sum())  # choices are sorted by length: the shallow ones come first
         d, r = to_device(self.depth_of[:n], top.device), to_device(self.rank_of[:n], top.device)
         # the tree stays where the heads ran: on a GPU the host reads it with the verify's answer

@@ -20,6 +20,7 @@ from filelock import FileLock  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from specviz.core.capture import use_cache_folder  # noqa: E402
+from specviz.core.engine import run  # noqa: E402
 from specviz.core.load import cache_dir  # noqa: E402
 from specviz.core.target import TargetModel  # noqa: E402
 
@@ -269,3 +270,23 @@ def app_handlers(app_state):
     from specviz.apps.web.plan import setting_specs
 
     return Handlers(app_state, setting_specs(app_state))
+
+
+def drafts_on_after_its_graph_breaks(drafter, graph: str, target: TargetModel, ref_greedy, monkeypatch) -> None:
+    """``drafter``'s compiled ``graph`` (an attribute of its ``capture``) raises as a graph that cannot be replayed:
+    the decode on ``target`` still gives the target's own output, the graph was tried once, the drafter drafted on
+    eagerly (drafts accepted) and said why. The shared capture is restored after the test (``monkeypatch``)."""
+    capture, calls = drafter.capture, []
+    for name in ("ready", "error", graph):
+        monkeypatch.setattr(capture, name, getattr(capture, name))
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("the graph could not be replayed")
+
+    monkeypatch.setattr(capture, graph, broken)
+    prompt = [2, 9, 4, 4, 1, 30, 17, 8, 8, 21, 5] * 2
+    with pytest.warns(UserWarning, match="failed while drafting: RuntimeError"):
+        result = run(target, drafter, prompt, 30, stop_on_eos=False)
+    assert result.output_ids == ref_greedy(target.model, prompt, 30)
+    assert calls == [1] and not capture.ready and sum(r.accepted for r in result.records) > 0

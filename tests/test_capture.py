@@ -18,7 +18,7 @@ from test_cache import commit_rounds
 from test_engine import RandomTreeDrafter
 
 from app_harness import tiny_target_folder
-from conftest import session_checkpoint
+from conftest import drafts_on_after_its_graph_breaks, session_checkpoint
 from drafters import build_drafter
 from drafters.captured import capture_drafters
 from specviz.apps.cli import main
@@ -246,20 +246,7 @@ def test_a_captured_drafter_that_breaks_mid_decode_drafts_on_eagerly(pair, ref_g
     monkeypatch.setenv("SPECVIZ_DRAFTER_ENGINE", "compiled")
     drafter = build_drafter("eagle2", compiled, checkpoint=str(session_checkpoint(eager, "eagle2")), depth=3,
                             top_k=3, total_tokens=8)
-    capture, calls = drafter.capture, []
-    for name in ("ready", "error", "step"):  # monkeypatch puts each back after the test
-        monkeypatch.setattr(capture, name, getattr(capture, name))
-
-    def broken(*args):
-        calls.append(1)
-        raise RuntimeError("the graph could not be replayed")
-
-    monkeypatch.setattr(capture, "step", broken)
-    prompt = PROMPTS[1] + PROMPTS[1]
-    with pytest.warns(UserWarning, match="failed while drafting: RuntimeError"):
-        result = run(compiled, drafter, prompt, 30, stop_on_eos=False)
-    assert result.output_ids == ref_greedy(compiled.model, prompt, 30)
-    assert calls == [1] and not capture.ready and sum(r.accepted for r in result.records) > 0
+    drafts_on_after_its_graph_breaks(drafter, "step", compiled, ref_greedy, monkeypatch)
 
 
 def test_the_target_serves_eager_until_compiled(tiny_llama, ref_greedy):
