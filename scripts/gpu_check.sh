@@ -13,6 +13,7 @@
 #                   order), for when it must travel in pieces; or SPECVIZ_GGUF=FILE, the GGUF whole
 #   STEPS           which steps, in order (default: "install tests profile bench"; "engine" compares the
 #                   compiled target forward with the eager one: profile and a short bench, ENGINE_METHODS;
+#                   "heads" benches the hidden-state drafters' drafts eager, then compiled (HEADS_METHODS);
 #                   "batch" sweeps batch sizes, BATCH_SIZES and BATCH_METHODS, stopped after BATCH_S seconds;
 #                   "train" trains the experiments' arms at the shared budget, EXPERIMENTS, TRAIN_JOBS at once,
 #                   stopped after TRAIN_S seconds; "export" writes their finished runs as tar parts, EXPORT)
@@ -126,6 +127,20 @@ engine() {  # the compiled path against the eager one in one process: the verify
   return $rc
 }
 
+heads() {  # the hidden-state drafters' drafts eager, then compiled as one graph (SPECVIZ_DRAFTER_ENGINE=compiled)
+  local slug rc
+  slug=$(device_slug) || return 1
+  for mode in auto compiled; do
+    SPECVIZ_DRAFTER_ENGINE=$mode timeout -s INT -k 30 "${BENCH_S:-240}" python3 -m specviz bench --device cuda \
+      --dtype bfloat16 --engine compiled --questions mt-bench --per-category "${PER_CATEGORY:-1}" \
+      --max-new-tokens 256 --methods "${HEADS_METHODS:-ar,medusa:preset=paper,redrafter:preset=paper}" \
+      --out "$OUT_DIR/mtbench_heads_${mode}_cuda_bf16_$slug.json"
+    rc=$?
+    [ $rc = 124 ] && say "heads bench ($mode) stopped after ${BENCH_S:-240} s"
+    [ $rc = 0 ] || [ $rc = 124 ] || return $rc
+  done
+}
+
 batch() {  # issue 51's sweep: throughput against batch size beside AR, ReDrafter with and without tree attention
   local slug out resume=()
   slug=$(device_slug) || return 1
@@ -164,6 +179,7 @@ for step in ${STEPS:-install tests profile bench}; do
     profile) profile ;;
     bench) bench ;;
     engine) engine ;;
+    heads) heads ;;
     batch) batch ;;
     train) train ;;
     export) export_runs ;;
