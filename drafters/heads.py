@@ -187,21 +187,29 @@ class HeadDrafter(TrainedDrafter):
         """The beams as one tree. Merged by prefix (tree attention), its size depends on the tokens, so the host
         reads the beams first (one copy); kept apart, or a single beam, the tree stays where it was drafted, read
         with the verify's answer (``core.tree.on_host``)."""
-        merged = getattr(self.settings, "tree_attention", 1)  # ReDrafter's ablation can keep the beams apart
-        if merged and beams.shape[0] > 1:
+        if self._merges(beams.shape[0]):
             return DraftTree.from_beams(*to_host([beams, logps]))
         tree = DraftTree.from_beams_apart(beams, logps)
         tree.info["max_depth"] = beams.shape[1]
         return tree
 
+    def _merges(self, width: int) -> bool:
+        """Whether beams are merged by prefix into one tree: several, unless ReDrafter's ablation keeps them apart."""
+        return width > 1 and bool(getattr(self.settings, "tree_attention", 1))
+
     @torch.inference_mode()
     def propose_batch(self, states: list[HeadState], requests: list[DraftRequest]) -> list[DraftTree]:
         """Every lane's beam search in one call per draft length (lanes near their token limit draft shorter)."""
         trees: list[DraftTree] = [DraftTree.empty()] * len(states)
+        searched = []
         for length, lanes in lanes_by_depth(states, requests, self.settings.length, lambda s: s.x is not None).items():
             x = torch.cat([states[i].x for i in lanes])
             roots = to_device(torch.tensor([states[i].root for i in lanes]), x.device)
-            beams, logps = beam_search_batch(self.net, self.frozen, x, roots, self.settings.width, length)
+            searched.append((lanes, *beam_search_batch(self.net, self.frozen, x, roots, self.settings.width, length)))
+        if self._merges(self.settings.width):  # every lane's beams in one read, to be merged on the host
+            read = iter(to_host([t for _, beams, logps in searched for t in (beams, logps)]))
+            searched = [(lanes, next(read), next(read)) for lanes, _, _ in searched]
+        for lanes, beams, logps in searched:
             for k, i in enumerate(lanes):
                 trees[i] = self._tree(beams[k], logps[k])
         return trees

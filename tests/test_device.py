@@ -258,7 +258,7 @@ def test_batches_decode_on_a_gpu_as_on_the_cpu(method, settings, target, fake_cu
     """Batch size > 1 on the device (what a lent GPU's batch sweep runs): every sequence's greedy output equals its
     own decode on the CPU, with a lane finishing early and the next prompt joining, and no tensor on the wrong side.
     A batch step reads the device once (every lane's tree and argmax), as a joining lane's prefill does; merged
-    beams read once more for each lane's merge."""
+    beams once more, every lane's beams together."""
     from specviz.core.batch import run_batch
 
     checkpoint = {} if method in ("ar", "pld") else {"checkpoint": str(session_checkpoint(target, method))}
@@ -272,8 +272,8 @@ def test_batches_decode_on_a_gpu_as_on_the_cpu(method, settings, target, fake_cu
         records = run_batch(gpu, drafter, texts, limits, batch_size=2, stop_on_eos=False)
     assert [output_ids(r) for r in records] == alone
     steps = {id(r.timings) for lane in records for r in lane if r.step}  # a batch step's lanes share its timings
-    merges = sum(1 for lane in records for r in lane if r.step and len(r.tree)) if "width" in settings and \
-        settings.get("tree_attention", 1) else 0
+    merges = len({id(r.timings) for lane in records for r in lane if r.step and len(r.tree)}) if \
+        "width" in settings and settings.get("tree_attention", 1) else 0  # steps with a beam search
     assert len(steps) > 2 and fake_cuda.reads == len(texts) + len(steps) + merges
 
 
