@@ -133,7 +133,7 @@ def generate_batch(
         ended = []
         with timer("accept"):  # every lane's tree, and the argmax where the rule reads only that: one copy
             argmax = follows_argmax(sampling)
-            trees, read = on_host([tree for tree, *_ in fed], [top_ids(logits)] * argmax)
+            trees, read = on_host([tree for tree, *_ in fed], [top_ids(logits)] if argmax else [])
             tops = read[0].tolist() if argmax else [None] * len(lanes)
         for b, (lane, tree, (_, row_ids, _, _), past) in enumerate(zip(lanes, trees, fed, pasts)):
             m = row_ids.numel()

@@ -99,13 +99,14 @@ def _fill_margins(seen: Verified, gaps: list[float]) -> None:
     seen.record.margins = gaps[: len(seen.record.tokens)]
 
 
-def _display_rows(tree: DraftTree, logits: torch.Tensor, sampling: Sampling) -> list[torch.Tensor]:
+def _display_rows(tree: DraftTree, logits: torch.Tensor, top: torch.Tensor, sampling: Sampling) -> list[torch.Tensor]:
     """On the logits' device, before the accept rule: what ``hover`` and ``margins`` show, for every row, so a GPU
     fetches them with the step's one read: the target's probability of each node given its parent [N], of each
-    row's argmax [N+1] (the bonus, under a rule that follows the argmax) and each row's top-1 minus top-2 logit."""
+    row's argmax ``top`` [N+1] (the bonus, under a rule that follows the argmax) and each row's top-1 minus top-2
+    logit."""
     probs = torch.softmax(logits.float(), -1) if sampling.greedy else probabilities(logits, sampling)
     node = probs[to_device(tree.parents, logits.device), to_device(tree.tokens, logits.device)]
-    best = probs.gather(-1, top_ids(logits)[:, None])[:, 0]
+    best = probs.gather(-1, top[:, None])[:, 0]
     if logits.shape[-1] < 2:
         return [node, best, torch.full((logits.shape[0],), float("inf"), device=logits.device)]
     top = logits.topk(2, dim=-1).values
@@ -198,7 +199,9 @@ def settle(drafter: Drafter, decode: Decode, tree: DraftTree, logits: torch.Tens
     with timer("accept"):
         argmax = follows_argmax(sampling) and top is None
         shown = explain and argmax and logits.device.type != "cpu"  # on the CPU a read costs no wait
-        extra = [top_ids(logits)] * argmax + (_display_rows(tree, logits, sampling) if shown else [])
+        extra = [top_ids(logits)] if argmax else []
+        if shown:
+            extra += _display_rows(tree, logits, extra[0], sampling)
         (tree,), read = on_host([tree], extra)
         top = read.pop(0).tolist() if argmax else top
         if inputs is None and decode.step:

@@ -48,6 +48,7 @@ class DraftTree:
         self.tokens = self.tokens.reshape(-1).long()
         self.parents = self.parents.reshape(-1).long()
         self._depths: torch.Tensor | None = None  # a device tree's, made on the device when asked
+        self._ancestors: torch.Tensor | None = None  # made once: the mask and (on a device) the depths read it
         if self.on_device:  # checked when the host reads it (``on_host``): reading it here would wait for the device
             return
         n = self.tokens.numel()
@@ -153,7 +154,9 @@ class DraftTree:
     def ancestors(self) -> torch.Tensor:
         """[N+1, N+1] bool, on the tree's device: row i marks i itself and all its ancestors (root included).
         Built from parent links by squaring: after k squarings a row reaches 2^k steps up, so about log2(N)
-        products and no read of the parents."""
+        products and no read of the parents. Made once a tree; not to be written to."""
+        if self._ancestors is not None:
+            return self._ancestors
         n, device = len(self) + 1, self.parents.device
         anc = torch.eye(n, dtype=torch.bool, device=device)
         anc[torch.arange(1, n, device=device), self.parents] = True
@@ -162,6 +165,7 @@ class DraftTree:
             square = anc.float()
             anc = (square @ square) > 0
             reach *= 2
+        self._ancestors = anc
         return anc
 
     def positions(self, past: int) -> torch.Tensor:
