@@ -122,6 +122,9 @@ class MedusaDrafter(HeadDrafter):
         order = sorted(range(len(self.choices)), key=lambda i: (score[i], self.choices[i]))  # the order chosen
         self.keep_order = torch.empty(len(order), dtype=torch.long)
         self.keep_order[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+        # the tree's index columns where the heads run, copied there once rather than every step
+        self.on_device = [to_device(t, self.device) for t in (self.depth_of, self.rank_of, self.parent_of,
+                                                               self.keep_order)]
 
     def _draft_function(self):
         net, frozen, heads, k = self.net, self.frozen, self.settings.heads, self.settings.top_k
@@ -139,8 +142,7 @@ class MedusaDrafter(HeadDrafter):
         top_logp, top = out if out is not None else heads_top(self.net, self.frozen, state.x, depth,
                                                               self.settings.top_k)
         n = int((self.depth_of < depth).sum())  # choices are sorted by length: the shallow ones come first
-        d, r = to_device(self.depth_of[:n], top.device), to_device(self.rank_of[:n], top.device)
+        d, r, parents, rank = (t[:n] for t in self.on_device)
         # the tree stays where the heads ran: on a GPU the host reads it with the verify's answer
-        return DraftTree(self.frozen.vocab_map[top[d, r]], to_device(self.parent_of[:n], top.device), top_logp[d, r],
-                         None, {"choices": self.choices[:n], "rank": to_device(self.keep_order[:n], top.device),
-                                "max_depth": depth})
+        return DraftTree(self.frozen.vocab_map[top[d, r]], parents, top_logp[d, r], None,
+                         {"choices": self.choices[:n], "rank": rank, "max_depth": depth})
