@@ -138,12 +138,14 @@ def test_a_compiled_forward_that_breaks_mid_decode_hands_over_to_the_eager_path(
 
 
 def test_a_drafter_tapping_layers_after_compilation_keeps_the_compiled_path(tiny_llama, ref_greedy):
-    """EAGLE-3 asks for layer inputs when it is built: a target compiled before that compiles again, the whole
-    model's forward, so that every method (not only EAGLE-3) keeps decoding on the compiled path."""
+    """EAGLE-3 asks for layer inputs when it is built: a target compiled before that compiles again, still as decoder
+    then head (the head outside the graph, as for every other method), now returning those layers' inputs, so that
+    every method (not only EAGLE-3) keeps decoding on the compiled path."""
     target = TargetModel(prepare(tiny_llama(vocab_size=64, seed=3), pack=True))
     assert target.use_engine("compiled").path == "compiled" and target.captured.split
     assert target.tap([0, 1]) == [1, 2] and target.taps == (0, 1)
-    assert not target.captured.split and target.captured.ready and target.engine.path == "compiled"
+    assert target.captured.split and target.captured.taps == (0, 1)
+    assert target.captured.ready and target.engine.path == "compiled"
     calls = []
     fn = target.captured._fn
     target.captured._fn = lambda *a, **k: calls.append(1) or fn(*a, **k)
@@ -151,7 +153,8 @@ def test_a_drafter_tapping_layers_after_compilation_keeps_the_compiled_path(tiny
     assert result.output_ids == ref_greedy(target.model, PROMPTS[1], 20) and len(calls) >= 5
     logits, feats = target.prefill(PROMPTS[0], target.new_cache(32))
     assert feats.shape[-1] == 3 * target.config.hidden_size  # the features, then layers 0 and 1's inputs
-    assert target.tap([1]) == [2] and not target.captured.split  # nothing new: no compiling again
+    captured = target.captured
+    assert target.tap([1]) == [2] and target.captured is captured  # nothing new: no compiling again
 
 
 def test_the_cpu_graph_runs_on_packed_weights(pair):

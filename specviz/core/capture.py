@@ -134,18 +134,22 @@ def plain_causal_lm(model: torch.nn.Module) -> bool:
     return decoder is not None and decoder is not model
 
 
-def decoder_then_head(model: torch.nn.Module, head_inside: bool = True):
+def decoder_then_head(model: torch.nn.Module, head_inside: bool = True, taps: tuple[int, ...] = ()):
     """The causal LM's forward as decoder, then head (``plain_causal_lm`` models): a function of the decoder's
-    keyword arguments and ``keep`` that returns (logits, the last hidden state, i.e. the features). Its
-    ``decoder`` attribute is the module those keywords are for, ``head`` the output head. Without
-    ``head_inside`` it stops at the hidden state and returns None for the logits: the caller runs the head."""
+    keyword arguments and ``keep`` that returns (logits, the last hidden state, i.e. the features, the inputs of
+    decoder layers ``taps``). Its ``decoder`` attribute is the module those keywords are for, ``head`` the output
+    head, ``taps`` the layers. Without ``head_inside`` it stops at the hidden state and returns None for the logits:
+    the caller runs the head. Taps come from the decoder's own hidden states (its entry i is layer i's input), so a
+    drafter reading layers (EAGLE-3) keeps the head outside a compiled graph like every other method."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()
 
     def forward(keep: int = 0, **kwargs):
-        hidden = decoder(**kwargs).last_hidden_state
-        return (head(hidden[:, -keep:] if keep else hidden) if head_inside else None), hidden
+        out = decoder(**kwargs, output_hidden_states=True) if taps else decoder(**kwargs)
+        hidden = out.last_hidden_state
+        tapped = tuple(out.hidden_states[i] for i in taps)
+        return (head(hidden[:, -keep:] if keep else hidden) if head_inside else None), hidden, tapped
 
-    forward.decoder, forward.head = decoder, head
+    forward.decoder, forward.head, forward.taps = decoder, head, tuple(taps)
     return forward
 
 
@@ -207,38 +211,40 @@ def compile_forward(fn, device: torch.device, graphs: bool = False):
 
 class CapturedForward:
     """A target's forward compiled, and whether it is ready: ``plain`` (``decoder_then_head``, one graph without the
-    hooks transformers uses to collect hidden states) where given, else ``model.forward`` whole. ``layout``: what
-    attention reads (``LAYOUTS``; None: ``default_layout``); ``graphs``: replayed as CUDA graphs."""
+    hooks transformers uses to collect hidden states) where given, else ``model.forward`` whole. ``taps``: the
+    decoder layers whose inputs it returns (``plain.taps`` where split). ``layout``: what attention reads
+    (``LAYOUTS``; None: ``default_layout``); ``graphs``: replayed as CUDA graphs."""
 
-    def __init__(self, model: torch.nn.Module, plain=None, layout: str | None = None):
+    def __init__(self, model: torch.nn.Module, plain=None, layout: str | None = None, taps: tuple[int, ...] = ()):
         device = next(model.parameters()).device
         self.layout = layout or default_layout(device)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         self.graphs = device.type == "cuda" and self.layout == "buffer"
         self.split = plain is not None
+        self.taps = plain.taps if self.split else tuple(taps)
         self.module = plain.decoder if self.split else model  # what the keyword arguments are for
         # a refined head (``core.head``) runs after the graph, eager: inside one it would be the plain fp32 product,
         # which costs a tree verify's rows several times what the refined head does
         self.head = plain.head if self.split and refined(model) else None
         if self.head is not None:
-            plain = decoder_then_head(model, head_inside=False)
+            plain = decoder_then_head(model, head_inside=False, taps=self.taps)
         self._fn = compile_forward(plain if self.split else model.forward, device, self.graphs)
         self.ready = False
         self.error: str | None = None
         self.compile_s: float | None = None
         self._thread: threading.Thread | None = None
 
-    def __call__(self, keep: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor, object]:
-        """``(logits, final-norm features, the model's outputs or None)`` for ``self.module``'s keyword arguments;
-        the outputs (with every hidden state) only where the whole forward was compiled."""
+    def __call__(self, keep: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``(logits, final-norm features, the inputs of the layers ``taps``)`` for ``self.module``'s keyword
+        arguments."""
         if self.split:
-            logits, hidden = run_graph(self._fn, self.graphs, keep=keep, **kwargs)
+            logits, hidden, tapped = run_graph(self._fn, self.graphs, keep=keep, **kwargs)
             if self.head is not None:
                 logits = self.head(hidden[:, -keep:] if keep else hidden)
-            return logits, hidden, None
+            return logits, hidden, tapped
         out = run_graph(self._fn, self.graphs, **kwargs, logits_to_keep=keep, output_hidden_states=True)
-        return out.logits, out.hidden_states[-1], out
+        return out.logits, out.hidden_states[-1], tuple(out.hidden_states[i] for i in self.taps)
 
     def fail(self, error: Exception) -> None:
         """A compiled forward broke while decoding: the target goes back to the eager path, and says why."""

@@ -167,9 +167,11 @@ class TargetModel:
             raise TargetError(f"layer {bad[0]} does not exist: this target has {self.num_layers} decoder layers")
         added = tuple(i for i in dict.fromkeys(layers) if i not in self.taps)
         self.taps += added
-        if added and self.captured is not None and self.captured.split:
-            # compiled before: that graph returns no layer inputs, and a target with taps would decode every
-            # method eagerly; compile the whole model's forward instead (on a thread if the first one was)
+        if added and self._plain is not None:
+            self._plain = decoder_then_head(self.model, taps=self.taps)
+        if added and self.captured is not None:
+            # compiled before: that graph returns none of the new layers' inputs, and a target with taps would decode
+            # every method eagerly; compile again with them (on a thread if the first one was)
             old = self.captured
             self.use_engine("compiled", background=old.started, layout=old.layout)
         return [1 + self.taps.index(i) for i in layers]
@@ -226,7 +228,7 @@ class TargetModel:
                 raise SettingsError(f"the compiled engine cannot run here: {reason}")
             self._engine_note = reason
             return self.engine
-        self.captured = CapturedForward(self.model, None if self.taps else self._plain, layout)
+        self.captured = CapturedForward(self.model, self._plain, layout, taps=self.taps)
         if background:
             self.captured.start(self, then)
         elif not self.captured.warm(self) and engine == "compiled":
@@ -261,7 +263,7 @@ class TargetModel:
             return None
         if not (ids.shape[0] == 1 and isinstance(cache, SlabCache) or isinstance(cache, BatchSlabCache)):
             return None
-        if self.taps and captured.split:  # compiled before a drafter asked for more layers: eager has them
+        if captured.taps != self.taps:  # compiled before a drafter asked for more layers: eager has them
             return None
         return captured
 
@@ -285,8 +287,9 @@ class TargetModel:
                 run.fail(e)
                 if cache.get_seq_length() > past:
                     cache.crop(past - cache.get_seq_length())
-        if self._plain is not None and not self.taps:
-            return self._plain(keep=keep, **args, **cache_kwarg(self._plain.decoder, cache))
+        if self._plain is not None:
+            logits, feats, tapped = self._plain(keep=keep, **args, **cache_kwarg(self._plain.decoder, cache))
+            return logits, self._features(feats, tapped)
         args.update(cache_kwarg(self.model, cache), logits_to_keep=keep)
         captured_norm: list[torch.Tensor] = []
         hook = None if self._norm is None else self._norm.register_forward_hook(
@@ -296,8 +299,9 @@ class TargetModel:
         finally:
             if hook is not None:
                 hook.remove()
-        # transformers' last hidden state is normed
-        return out.logits, self._features(captured_norm[-1] if hook is not None else out.hidden_states[-1], out)
+        # transformers' last hidden state is normed; hidden_states[i] is the input of layer i (entry 0: the embeddings)
+        feats = captured_norm[-1] if hook is not None else out.hidden_states[-1]
+        return out.logits, self._features(feats, tuple(out.hidden_states[i] for i in self.taps))
 
     def _forward_captured(self, run: CapturedForward, args: dict, cache: Cache, keep: int):
         """``forward_rows`` on the compiled forward ``run``; ``args`` on the device. No hook inside a graph: the
@@ -306,25 +310,25 @@ class TargetModel:
         device = args["input_ids"].device
         if isinstance(cache, BatchSlabCache) and run.layout == "buffer":  # padded to buckets, over whole buffers
             with cache.whole(args["input_ids"], args["position_ids"], args["attention_mask"], self.dtype) as padded:
-                logits, feats, out = run(0, **{**args, **padded}, **cache_kwarg(run.module, cache))
+                logits, feats, tapped = run(0, **{**args, **padded}, **cache_kwarg(run.module, cache))
             logits = logits[:rows, :n]
-            return (logits[:, -keep:] if keep else logits), self._features(feats, out)[:rows, :n]
+            return (logits[:, -keep:] if keep else logits), self._features(feats, tapped)[:rows, :n]
         if isinstance(cache, BatchSlabCache):  # the live rows, each row's writes planned outside the graph
             with cache.planned(n, device):
-                logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
-            return logits, self._features(feats, out)
+                logits, feats, tapped = run(keep, **args, **cache_kwarg(run.module, cache))
+            return logits, self._features(feats, tapped)
         if run.layout != "buffer":
             with cache.appending(n):  # the layers' lengths move after the graph, not inside it
-                logits, feats, out = run(keep, **args, **cache_kwarg(run.module, cache))
-            return logits, self._features(feats, out)
+                logits, feats, tapped = run(keep, **args, **cache_kwarg(run.module, cache))
+            return logits, self._features(feats, tapped)
         with cache.slots(n, args["attention_mask"], self.dtype, device) as mask:  # attention over the whole buffer
-            logits, feats, out = run(keep, **{**args, "attention_mask": mask}, **cache_kwarg(run.module, cache))
-        return logits, self._features(feats, out)
+            logits, feats, tapped = run(keep, **{**args, "attention_mask": mask}, **cache_kwarg(run.module, cache))
+        return logits, self._features(feats, tapped)
 
-    def _features(self, feats: torch.Tensor, out) -> torch.Tensor:
-        if self.taps:  # hidden_states[i] is the input of layer i (entry 0: the embeddings)
-            feats = torch.cat([feats] + [out.hidden_states[i].to(feats.dtype) for i in self.taps], dim=-1)
-        return feats
+    @staticmethod
+    def _features(feats: torch.Tensor, tapped: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The final-norm output, then the tapped layers' inputs (``tap``)."""
+        return torch.cat([feats] + [t.to(feats.dtype) for t in tapped], dim=-1) if tapped else feats
 
     def prefill(self, ids: list[int] | torch.Tensor, cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill ``cache`` (emptied first) with ``ids``. Returns the last position's logits [V] and features [L, H]."""
