@@ -99,6 +99,33 @@ def test_a_mask_per_head_and_a_boolean_mask_are_laid_out_alike():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_one_query_without_a_mask_stacks_its_group_and_matches_transformers(monkeypatch):
+    """A decode step's one query sees every key, so no mask comes: its group's heads go to SDPA as query rows of
+    one key/value head (transformers' path would hand SDPA the grouped heads, one query each, which on the CPU
+    is several times slower), with transformers' output, in fp32 and bf16."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import specviz.core.attention as attention
+
+    module = make_llama(VOCAB, 0, 1).model.layers[0].self_attn
+    shapes = []
+    real = attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda q, *a, **k: shapes.append(tuple(q.shape)) or real(q, *a, **k))
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(2, 4, 1, 16, generator=gen).to(dtype), torch.randn(2, 2, 10, 16, generator=gen).to(dtype),
+                   torch.randn(2, 2, 10, 16, generator=gen).to(dtype))
+        got, _ = grouped_sdpa(module, q, k, v, None, scaling=0.25)
+        assert shapes.pop() == (2, 2, 2, 16)  # two key/value heads, each with its group's two queries as rows
+        want, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25)
+        assert got.shape == want.shape == (2, 1, 4, 16)
+        torch.testing.assert_close(got, want)
+    several = torch.randn(2, 4, 3, 16, generator=gen)
+    grouped_sdpa(module, several, k.float(), v.float(), None, scaling=0.25)
+    assert shapes.pop()[1:3] == (4, 3)  # several queries without a mask: transformers' own path, heads as they are
+
+
 @pytest.mark.parametrize("method,settings", [("pld", {}), ("lookahead", dict(window=4, ngram=3, guesses=4)),
                                              ("skip", dict(layers=1, num_tokens=3))], ids=str)
 def test_decoding_on_grouped_attention_is_lossless(method, settings):

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from drafters.captured import capture_drafters
+from specviz.core.attention import NAME as GROUPED
+from specviz.core.attention import REVISION as GROUPED_REVISION
 from specviz.core.capture import REVISION as CAPTURE_REVISION
 from specviz.core.cpu import cpu_flags, cpuinfo
 from specviz.core.files import content_key
@@ -71,7 +73,7 @@ def machine_key(target: TargetModel) -> str:
         facts.append(f"rows r{ROWS_REVISION}")
     attention = getattr(target.config, "_attn_implementation", None)
     if attention not in (None, "sdpa"):  # a verify's cost turns on it (``core.attention``); SDPA's keys stay
-        facts.append(attention)
+        facts.append(attention if attention != GROUPED else f"{attention} r{GROUPED_REVISION}")
     if target.engine.path != "eager":  # compiled forwards cost otherwise: their own budgets
         facts.append(f"{target.engine.path} r{CAPTURE_REVISION}")
         if target.captured.layout != "live":  # the layout read by a CPU's budgets before it had a name

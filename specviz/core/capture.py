@@ -72,7 +72,7 @@ from .packing import register
 ENGINES = ("eager", "compiled", "auto")  # auto: compiled where torch.compile works here, else eager
 LAYOUTS = ("live", "buffer")  # what attention reads in a compiled forward: the live rows, or the whole buffer
 GRAPH_ENTRIES = 64  # a batch's entries a row up to which ``warm_batches`` records CUDA graphs (more: recorded on use)
-REVISION = 11  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
+REVISION = 12  # of the compiled path; a new one where its cost changes, so budgets tuned on the old are not reused
 
 
 def capture_unsupported(device: torch.device) -> str:
