@@ -114,8 +114,8 @@ def test_one_query_without_a_mask_stacks_its_group_and_matches_transformers(monk
                         lambda q, *a, **k: shapes.append(tuple(q.shape)) or real(q, *a, **k))
     gen = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
-        q, k, v = (torch.randn(2, 4, 1, 16, generator=gen).to(dtype), torch.randn(2, 2, 10, 16, generator=gen).to(dtype),
-                   torch.randn(2, 2, 10, 16, generator=gen).to(dtype))
+        q = torch.randn(2, 4, 1, 16, generator=gen).to(dtype)
+        k, v = (torch.randn(2, 2, 10, 16, generator=gen).to(dtype) for _ in range(2))
         got, _ = grouped_sdpa(module, q, k, v, None, scaling=0.25)
         assert shapes.pop() == (2, 2, 2, 16)  # two key/value heads, each with its group's two queries as rows
         want, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25)

@@ -156,11 +156,10 @@ class EagerBuffer:
     layout, split, ready, graphs = "buffer", True, True, False
 
     def __init__(self, target):
-        self.module, self._fn = target._plain.decoder, target._plain
+        self.module, self._fn, self.taps = target._plain.decoder, target._plain, target._plain.taps
 
     def __call__(self, keep: int, **kwargs):
-        logits, hidden = self._fn(keep=keep, **kwargs)
-        return logits, hidden, None
+        return self._fn(keep=keep, **kwargs)  # logits, features, the tapped layers' inputs
 
 
 @pytest.mark.parametrize("context,capacity", [(1, 256), (9, 4), (120, 16)])
