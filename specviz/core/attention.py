@@ -14,10 +14,10 @@ the output is laid back out as ``[B, q, H, D]``. transformers does the same for 
 ``torch.compile``, where a CUDA graph's one-token step over the whole buffer would copy it; so one query
 takes this path too, with or without a mask. That matters on the CPU too: SDPA reading the grouped heads itself
 (``enable_gqa``) runs one query per head through its flash kernel, which took 108 us a layer for one bf16 query
-over 257 keys on a 2-core Zen 4 against 23 us for the same heads stacked as three query rows, bit for bit the
-same output (a tenth of a decode step, every layer). Every other call (several queries without a mask, no
-groups, a position bias) goes to transformers' own SDPA function unchanged: without a mask it lets SDPA read
-the grouped heads itself, as fast as stacking there.
+over 257 keys on a 2-core Zen 4 against 23 us for the same heads stacked as three query rows (a tenth of a decode
+step, every layer); fp32 decodes came out identical, bf16 ones round differently at near-ties. Every other
+call (several queries without a mask, no groups, a position bias) goes to transformers' own SDPA function
+unchanged: without a mask it lets SDPA read the grouped heads itself, as fast as stacking there.
 
 ``use_grouped_attention`` registers it with transformers' public ``AttentionInterface`` (and SDPA's mask
 builder with ``AttentionMaskInterface``) under ``NAME`` and switches a model on SDPA to it.
