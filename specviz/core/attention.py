@@ -43,24 +43,18 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     boolean mask [B or 1, 1 or H, q, L]; returns ([B, q, H, D], None)."""
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, q, dim = query.shape
-    if (q == 1 and attention_mask is None and groups > 1 and key.shape[1] * groups == heads
-            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None):
-        # one query that sees every key (a decode step): its group's heads as query rows, no mask needed
-        out = F.scaled_dot_product_attention(query.reshape(b, key.shape[1], groups, dim), key, value,
-                                             dropout_p=dropout if module.training else 0.0, scale=scaling)
-        return out.reshape(b, heads, 1, dim).transpose(1, 2).contiguous(), None
-    if (groups == 1 or attention_mask is None or attention_mask.dim() != 4
-            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-            or key.shape[1] * groups != heads or attention_mask.shape[-1] != key.shape[2]
-            or attention_mask.shape[1] not in (1, heads)):
+    mask = attention_mask  # None: every key visible, which only one query (a decode step) may stack without one
+    if (groups == 1 or key.shape[1] * groups != heads or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or (mask is None and q > 1)
+            or (mask is not None and (mask.dim() != 4 or mask.shape[-1] != key.shape[2]
+                                      or mask.shape[1] not in (1, heads)))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     kv_heads, length = key.shape[1], key.shape[2]
     stacked = query.reshape(b, kv_heads, groups * q, dim)
-    mask = attention_mask
-    if mask.shape[1] == 1:
+    if mask is not None and mask.shape[1] == 1:
         mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * q, length)
-    else:
+    elif mask is not None:
         mask = mask.reshape(mask.shape[0], kv_heads, groups * q, length)
     out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask,
                                          dropout_p=dropout if module.training else 0.0, scale=scaling)
