@@ -4,6 +4,7 @@ product, whatever the row count, where a bf16 head alone would tie; and lossless
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -59,7 +60,43 @@ def _refined(weight, x):
     return refined_logits(x, weight, pack(weight.bfloat16()), float(weight.norm(dim=1).max()))
 
 
-def test_refined_head_finds_the_exact_top_token_where_bf16_ties():
+@pytest.fixture(params=["rows kernel", "aten"])
+def path(request, monkeypatch):
+    """Each refined-head test on both forms of the rule: the rows extension's one call, and ATen's operators."""
+    from specviz.core import head, rows
+
+    if request.param == "rows kernel" and not rows.available():
+        pytest.skip(f"the rows extension is not built here: {rows.unavailable()}")
+    if request.param == "aten":
+        monkeypatch.setattr(head, "rows_kernel", types.SimpleNamespace(fits=lambda *a: False))
+    return request.param
+
+
+def test_the_rows_kernel_refines_as_atens_operators_do(monkeypatch):
+    """The one call (``rows.cpp``'s ``refine``) against the operators: the same top token and the same candidates,
+    exact to fp32's rounding of one sum; every other logit the same coarse value, bit for bit."""
+    from specviz.core import head, rows
+
+    if not rows.available():
+        pytest.skip(f"the rows extension is not built here: {rows.unavailable()}")
+    calls = []
+    real = torch.ops.specviz_rows.refine
+    monkeypatch.setattr(head.torch.ops.specviz_rows, "refine", lambda *a: calls.append(1) or real(*a), raising=False)
+    weight, x = _near_ties(seed=4, rows=16)
+    with torch.inference_mode():
+        got = _refined(weight, x)
+        assert calls, "the rows kernel did not run"
+        monkeypatch.setattr(head, "rows_kernel", types.SimpleNamespace(fits=lambda *a: False))
+        want = _refined(weight, x)
+    assert len(calls) == 1 and torch.equal(top_ids(got), top_ids(want))
+    exact = _exact(weight, x)
+    changed = got != want
+    assert changed.sum() >= 1  # candidates, summed in another order
+    torch.testing.assert_close(got[changed].double(), exact[changed], rtol=1e-6, atol=1e-5)
+    assert torch.equal(got[~changed], want[~changed])
+
+
+def test_refined_head_finds_the_exact_top_token_where_bf16_ties(path):
     weight, x = _near_ties()
     exact = _exact(weight, x)
     clear = exact.topk(2, dim=-1).values.diff(dim=-1).abs()[:, 0] > 1e-5  # beyond fp32 sums' own rounding
@@ -75,7 +112,7 @@ def test_refined_head_finds_the_exact_top_token_where_bf16_ties():
     assert ((got.double() - exact).abs() <= dropped + 2 ** -8 * exact.abs() + 1e-4).all()  # elsewhere: bf16's error
 
 
-def test_refined_head_gives_a_row_the_same_top_whatever_the_batch():
+def test_refined_head_gives_a_row_the_same_top_whatever_the_batch(path):
     weight, x = _near_ties(seed=1)
     with torch.inference_mode():
         whole = _refined(weight, x.view(6, 8, K))
@@ -86,7 +123,7 @@ def test_refined_head_gives_a_row_the_same_top_whatever_the_batch():
             assert int(top_ids(row)) == top and alone[top] == row[top]  # bit for bit
 
 
-def test_refined_head_makes_every_token_of_a_crowded_top_exact():
+def test_refined_head_makes_every_token_of_a_crowded_top_exact(path):
     weight, x = _near_ties(seed=2, rows=4)
     weight[10: 34] = weight[10]  # many equal top tokens
     x[1] = weight[10] * 4
@@ -96,7 +133,7 @@ def test_refined_head_makes_every_token_of_a_crowded_top_exact():
     assert torch.equal(got[1, 10: 34], got[1, 10].expand(24))  # every one of them exact
 
 
-def test_refined_head_takes_the_whole_product_for_a_flat_row(monkeypatch):
+def test_refined_head_takes_the_whole_product_for_a_flat_row(monkeypatch, path):
     """A zero input ties every token: all are candidates, and past ``CANDIDATES`` a row the whole fp32 product
     is taken instead of gathering them (on the real vocabulary, 49,152 rows of weights a row)."""
     from specviz.core import head

@@ -24,6 +24,7 @@ from specviz.core.attention import REVISION as GROUPED_REVISION
 from specviz.core.capture import REVISION as CAPTURE_REVISION
 from specviz.core.cpu import cpu_flags, cpuinfo
 from specviz.core.files import content_key
+from specviz.core.head import refined
 from specviz.core.rows import REVISION as ROWS_REVISION
 from specviz.core.target import TargetModel
 
@@ -71,6 +72,8 @@ def machine_key(target: TargetModel) -> str:
              target.kernels]
     if target.plain_rows:  # the rows kernel's speed (``core.rows``)
         facts.append(f"rows r{ROWS_REVISION}")
+    elif on_cpu and refined(target.model):  # a bf16 head's refinement runs on the same extension (``core.head``)
+        facts.append(f"head r{ROWS_REVISION}")
     attention = getattr(target.config, "_attn_implementation", None)
     if attention not in (None, "sdpa"):  # a verify's cost turns on it (``core.attention``); SDPA's keys stay
         facts.append(attention if attention != GROUPED else f"{attention} r{GROUPED_REVISION}")

@@ -15,7 +15,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
 
 #include "rows.h"
 
@@ -135,6 +141,74 @@ at::Tensor specviz_rows_product(const at::Tensor& x, at::TensorList ws) {
 namespace {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w) { return specviz_rows_product(x, {w}); }
 
+// The refined LM head's rule (core/head.py) in one call: ``coarse`` [R, N] bf16 logits of ``x`` [R, K] fp32
+// against ``w`` [N, K] fp32 (bf16 values); every logit within twice the bound of its row's top is recomputed as the
+// fp32 product (this kernel's own arithmetic for one output, so the same whatever else the call holds), the rest
+// keep their coarse value. Returns fp32 [R, N], or an empty tensor where more than ``most`` candidates a row on
+// average would make the whole fp32 product cheaper (the caller's to take). The passes over the logits run on
+// 4,096 columns at a time; what ATen's ops did in six passes (copy, max, compare, nonzero, gather, scatter), two.
+at::Tensor refine(const at::Tensor& coarse, const at::Tensor& x, const at::Tensor& w, double row_norm, int64_t most) {
+  TORCH_CHECK(coarse.dim() == 2 && coarse.scalar_type() == at::kBFloat16 && coarse.is_contiguous() &&
+                  x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) == coarse.size(0) &&
+                  x.size(1) % V == 0 && w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() &&
+                  w.size(0) == coarse.size(1) && w.size(1) == x.size(1),
+              "specviz_rows::refine: coarse bf16 [R, N], x fp32 [R, K], w fp32 [N, K], contiguous, K a multiple of ",
+              V);
+  constexpr int64_t SPAN = 4096;
+  const int64_t R = coarse.size(0), N = coarse.size(1), K = x.size(1), spans = (N + SPAN - 1) / SPAN;
+  at::Tensor out = at::empty({R, N}, x.options());
+  const c10::BFloat16* cp = coarse.const_data_ptr<c10::BFloat16>();
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  std::vector<float> tops(R * spans), floors(R);
+  std::vector<int64_t> counts(R * spans);
+  at::parallel_for(0, R * spans, 1, [&](int64_t t0, int64_t t1) {  // the coarse logits in fp32, and their tops
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / spans, n0 = (t % spans) * SPAN, n1 = std::min(N, n0 + SPAN);
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t n = n0; n < n1; ++n) {
+        const float c = static_cast<float>(cp[r * N + n]);
+        op[r * N + n] = c;
+        top = c > top ? c : top;
+      }
+      tops[t] = top;
+    }
+  });
+  const float gamma = static_cast<float>(K) * 0x1p-23f, rn = static_cast<float>(row_norm);
+  for (int64_t r = 0; r < R; ++r) {  // the bound E on |coarse - exact| near the top: core/head.py's rule
+    float top = tops[r * spans], rounding = 0.0f, size = 0.0f;
+    for (int64_t s = 1; s < spans; ++s) top = std::max(top, tops[r * spans + s]);
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = xp[r * K + k], e = v - static_cast<float>(static_cast<c10::BFloat16>(v));
+      rounding += e * e;
+      size += v * v;
+    }
+    const float bound = 1.1f * (rn * std::sqrt(rounding) + 2 * gamma * rn * std::sqrt(size) + 0x1p-8f * std::fabs(top)) + 1e-30f;
+    floors[r] = top - 2 * bound;
+  }
+  at::parallel_for(0, R * spans, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / spans, n0 = (t % spans) * SPAN, n1 = std::min(N, n0 + SPAN);
+      int64_t c = 0;
+      for (int64_t n = n0; n < n1; ++n) c += op[r * N + n] >= floors[r];
+      counts[t] = c;
+    }
+  });
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  if (total > most * R) return at::empty({0}, x.options());
+  at::parallel_for(0, R * spans, 1, [&](int64_t t0, int64_t t1) {  // the candidates, exact
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / spans, n0 = (t % spans) * SPAN, n1 = std::min(N, n0 + SPAN);
+      if (!counts[t]) continue;
+      for (int64_t n = n0; n < n1; ++n)
+        if (op[r * N + n] >= floors[r]) block<1, 1, false>(xp + r * K, K, wp + n * K, op + r * N + n, N);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 int64_t specviz_rows_width() { return V; }
@@ -142,6 +216,8 @@ int64_t specviz_rows_width() { return V; }
 TORCH_LIBRARY(specviz_rows, m) {
   m.def("linear(Tensor x, Tensor w) -> Tensor");
   m.def("width() -> int");
+  m.def("refine(Tensor coarse, Tensor x, Tensor w, float row_norm, int most) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+  m.impl("refine", c10::DispatchKey::CPU, TORCH_FN(refine));
   m.impl("width", c10::DispatchKey::CatchAll, TORCH_FN(specviz_rows_width));
 }

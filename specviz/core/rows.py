@@ -33,7 +33,7 @@ SOURCE = Path(__file__).with_name("rows.cpp")
 OTHERS = [Path(__file__).with_name(name) for name in ("rows.h", "layers.cpp")]
 # of the kernel's speed, in the tuner's key (``apps.machine``): costs measured on an older kernel are measured
 # again. Its results never change with it: every revision computes each output the same way
-REVISION = 4
+REVISION = 5  # 5: the refined head's rule in one call (``refine``)
 _STATE: dict[str, object] = {}
 _LOCK = threading.Lock()  # one build and load a process, whichever thread asks first
 _width: int | None = None  # the kernel's vector width once loaded, 0 where it cannot be (``_load``)
