@@ -100,13 +100,15 @@ def test_a_mask_per_head_and_a_boolean_mask_are_laid_out_alike():
 
 
 def test_one_query_without_a_mask_stacks_its_group_and_matches_transformers(monkeypatch):
-    """A decode step's one query sees every key, so no mask comes: its group's heads go to SDPA as query rows of
-    one key/value head (transformers' path would hand SDPA the grouped heads, one query each, which on the CPU
-    is several times slower), with transformers' output, in fp32 and bf16."""
+    """A decode step's one query sees every key, so no mask comes: where our kernel does not take it (``attend.cpp``,
+    tested on its own), its group's heads go to SDPA as query rows of one key/value head (transformers' path would
+    hand SDPA the grouped heads, one query each, which on the CPU is several times slower), with transformers'
+    output, in fp32 and bf16."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     import specviz.core.attention as attention
 
+    monkeypatch.setattr(attention, "few_queries", lambda *a: False)
     module = make_llama(VOCAB, 0, 1).model.layers[0].self_attn
     shapes = []
     real = attention.F.scaled_dot_product_attention

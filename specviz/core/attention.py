@@ -19,6 +19,14 @@ step, every layer); fp32 decodes came out identical, bf16 ones round differently
 call (several queries without a mask, no groups, a position bias) goes to transformers' own SDPA function
 unchanged: without a mask it lets SDPA read the grouped heads itself, as fast as stacking there.
 
+**A few queries run on our own kernel** on the CPU (``attend.cpp`` in the rows extension, ``core.rows``): up to
+``FEW`` queries a call (a decode step's one, a verify's tree), fp32 or bf16, without autograd. PyTorch's flash
+kernel is built for long queries; for a decode step's three query rows over 257 keys it spent 25 us a layer alone
+and 45 inside a forward, mostly fixed costs. The kernel runs each key/value head's rows together, reading each
+key and value once for four rows, and makes every row a function of its query and of the keys it sees, in
+order, alone: a tree verify's row is bit for bit the one-token forward's over the same keys, whatever masked
+gaps lie between them. Several queries without a mask (a prompt, causal) and everything else stay on SDPA.
+
 ``use_grouped_attention`` registers it with transformers' public ``AttentionInterface`` (and SDPA's mask
 builder with ``AttentionMaskInterface``) under ``NAME`` and switches a model on SDPA to it.
 """
@@ -32,8 +40,10 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import rows
+
 NAME = "specviz_grouped_sdpa"
-REVISION = 2  # bump where its cost changes, so budgets tuned on the old are measured again (``apps.machine``)
+REVISION = 3  # bump where its cost changes, so budgets tuned on the old are measured again (``apps.machine``)
 
 
 def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -41,6 +51,9 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
                  is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, H, q, D], key/value [B, KVH, L, D], an additive or
     boolean mask [B or 1, 1 or H, q, L]; returns ([B, q, H, D], None)."""
+    if few_queries(module, query, key, value, attention_mask, dropout, kwargs):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return torch.ops.specviz_rows.attend(query, key, value, attention_mask, float(scale)), None
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, q, dim = query.shape
     mask = attention_mask  # None: every key visible, which only one query (a decode step) may stack without one
@@ -59,6 +72,29 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask,
                                          dropout_p=dropout if module.training else 0.0, scale=scaling)
     return out.reshape(b, heads, q, dim).transpose(1, 2).contiguous(), None
+
+
+FEW = 64  # queries a call up to which ``attend.cpp`` runs them: a tree verify's rows (a longer prompt is SDPA's)
+_UNSUPPORTED = ("position_bias", "softcap", "sliding_window", "s_aux")  # terms the kernel does not compute
+
+
+def few_queries(module, query, key, value, mask, dropout, kwargs) -> bool:
+    """Whether this call runs on ``attend.cpp`` (the module docstring's rule): the CPU, fp32 or bf16 alike, no
+    autograd or dropout, up to ``FEW`` queries (one without a mask: several would need a causal one), a 4D mask
+    laid out as the kernel reads it, the rows extension loaded."""
+    b, heads, q, _ = query.shape
+    if (query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16)
+            or key.dtype != query.dtype or value.dtype != query.dtype or torch.is_grad_enabled()
+            or (dropout and module.training) or q > FEW or (mask is None and q > 1)
+            or any(kwargs.get(name) is not None for name in _UNSUPPORTED)
+            or key.shape[1] == 0 or heads % key.shape[1] or key.shape != value.shape
+            or min(query.stride(-1), key.stride(-1), value.stride(-1)) != 1):
+        return False
+    if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, heads)
+                             or mask.shape[2] != q or mask.shape[3] != key.shape[2]
+                             or mask.dtype not in (torch.bool, query.dtype)):
+        return False
+    return rows.loaded() if torch.compiler.is_compiling() else rows.available()
 
 
 def use_grouped_attention(model: torch.nn.Module) -> bool:

@@ -24,30 +24,10 @@
 #include <vector>
 
 #include "rows.h"
+#include "simd.h"
 
 namespace {
-// The vector type itself, not ATen's Vectorized wrapper: GCC kept arrays of the wrapper's accumulators on the
-// stack (a load and a store beside every FMA) once a block had more than 16 of them. The build needs AVX2 and FMA
-// (core/rows.py), and -march=native picks AVX-512 where the CPU has it.
-#if defined(__AVX512F__)
-using Reg = __m512;
-inline Reg load(const float* p) { return _mm512_loadu_ps(p); }
-inline Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
-inline Reg zero() { return _mm512_setzero_ps(); }
-inline float hsum(Reg v) { return _mm512_reduce_add_ps(v); }  // the lanes summed by halves, as below
-#else
-using Reg = __m256;
-inline Reg load(const float* p) { return _mm256_loadu_ps(p); }
-inline Reg fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
-inline Reg zero() { return _mm256_setzero_ps(); }
-// the lanes summed by halves: (l, l + 4), then (l, l + 2), then (l, l + 1)
-inline float hsum(Reg v) {
-  __m128 h = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-#endif
-constexpr int V = sizeof(Reg) / sizeof(float);
+using namespace simd;  // Reg, V, loadf, fma, zero, hsum (simd.h)
 constexpr int PREFETCH_BLOCKS = 1;  // prefetch the weight rows this many blocks ahead (into L1)
 constexpr int64_t TILE = 32;        // weight rows per parallel task
 
@@ -59,10 +39,10 @@ inline void block(const float* x, int64_t K, const float* w, float* out, int64_t
     for (int j = 0; j < MB; ++j) acc[i][j] = zero();
   for (int64_t k = 0; k < K; k += V) {
     Reg xv[MB];
-    for (int j = 0; j < MB; ++j) xv[j] = load(x + j * K + k);
+    for (int j = 0; j < MB; ++j) xv[j] = loadf(x + j * K + k);
     for (int i = 0; i < NB; ++i) {
       if (PF) __builtin_prefetch(w + (i + NB * PREFETCH_BLOCKS) * K + k, 0, 3);
-      Reg wv = load(w + i * K + k);
+      Reg wv = loadf(w + i * K + k);
       for (int j = 0; j < MB; ++j) acc[i][j] = fma(wv, xv[j], acc[i][j]);
     }
   }

@@ -18,6 +18,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import platform
 import threading
 from pathlib import Path
@@ -29,8 +30,9 @@ from .cpu import cpu_flags, cpuinfo
 from .files import cache_dir, content_key
 
 SOURCE = Path(__file__).with_name("rows.cpp")
-# the extension's other sources: its header, and the packed layers' operators (``core.packing``)
-OTHERS = [Path(__file__).with_name(name) for name in ("rows.h", "layers.cpp")]
+# the extension's other sources: its headers, the packed layers' operators (``core.packing``) and the few-query
+# attention (``attend.cpp``, ``core.attention``)
+OTHERS = [Path(__file__).with_name(name) for name in ("rows.h", "simd.h", "layers.cpp", "attend.cpp")]
 # of the kernel's speed, in the tuner's key (``apps.machine``): costs measured on an older kernel are measured
 # again. Its results never change with it: every revision computes each output the same way
 REVISION = 5  # 5: the refined head's rule in one call (``refine``)
@@ -64,18 +66,34 @@ def _build_and_load() -> int:
 
         folder = _build_folder()
         folder.mkdir(parents=True, exist_ok=True)
-        load(f"specviz_rows_{folder.name[5:]}", [str(SOURCE), str(OTHERS[1])],
+        load(f"specviz_rows_{folder.name[5:]}", [str(SOURCE), *(str(p) for p in OTHERS if p.suffix == ".cpp")],
              extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(folder), is_python_module=False,
              verbose=False)
+        _register_fake()
         return int(torch.ops.specviz_rows.width())
     except Exception as e:  # no compiler, no ninja, a failed build: the default kernels serve
         _STATE["reason"] = f"the rows kernel did not build: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
         return 0
 
 
+def _attend_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+
+
+@functools.cache
+def _register_fake() -> None:
+    """``attend``'s shape for compiled graphs (``core.attention``), once a process: a second load finds it there."""
+    torch.library.register_fake("specviz_rows::attend", _attend_fake)
+
+
 def available() -> bool:
     """Whether the rows kernel is built and loaded here (building it the first time on a machine)."""
     return _load() > 0
+
+
+def loaded() -> bool:
+    """Whether the extension is loaded already, without building or loading it (a compiled graph's question)."""
+    return bool(_width)
 
 
 def unavailable() -> str | None:
