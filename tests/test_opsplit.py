@@ -13,6 +13,9 @@ from specviz.core.packing import pack_linears
 @pytest.mark.parametrize("name,expected", [
     ("aten::mm", "matrix"), ("aten::addmm", "matrix"), ("mkldnn::_linear_pointwise", "matrix"),
     ("specviz_rows::linear", "matrix"),
+    ("specviz_rows::group", "matrix"),
+    ("specviz_rows::attend", "attention"),
+    ("specviz_rows::refine", "other"),
     ("mkl::_mkl_linear", "matrix"), ("sm90_xmma_gemm_bf16bf16_bf16f32", "matrix"), ("ampere_bf16_s16816gemm", "matrix"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"), ("flash_fwd_kernel", "attention"),
     ("aten::rsqrt", "other"), ("## Call CompiledFxGraph abc ##", "other"), ("aten::copy_", "other"),

@@ -19,8 +19,10 @@ from torch.profiler import ProfilerActivity, profile
 
 # CPU operator names (oneDNN, MKL and ATen) and GPU kernel-name fragments that are matrix products
 MATRIX = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear",
-          "specviz_rows::", "gemm", "cutlass", "xmma", "matmul")  # specviz_rows: core.rows and its layers
-ATTENTION = ("scaled_dot_product", "flash", "fmha", "efficient_attention")
+          "specviz_rows::linear", "specviz_rows::layer", "specviz_rows::group",  # core.rows and its layers
+          "gemm", "cutlass", "xmma", "matmul")
+# attend: the few-query kernel (core.attention); the extension's refine (core.head) is an "other" operator
+ATTENTION = ("scaled_dot_product", "flash", "fmha", "efficient_attention", "specviz_rows::attend")
 # rows torch.compile's runtime adds around a graph: guards and argument handling, i.e. outside the operators
 DISPATCH = ("cache lookup", "pregraph", "torch-compiled region", "aotdispatcher")
 
