@@ -1,8 +1,8 @@
 // specviz_rows::attend(q, k, v, mask, scale): attention for the few queries a decode step or a verify runs.
 //
 // Why: PyTorch's CPU flash kernel is built for long queries. For one decode query (a group's heads as three rows
-// over 257 keys) it took 25 us a layer alone and 45 us inside a 30-layer forward, a tenth of a bf16 decode step,
-// most of it fixed cost; here the work is a few thousand dot products of 64 numbers.
+// over a few hundred keys) most of its time is fixed cost, while the work is a few thousand short dot products
+// (docs/tuning.md has the timings).
 //
 // Rules:
 // - q [B, H, Q, D], k and v [B, KVH, L, D] (H a multiple of KVH: head h reads key/value head h / (H / KVH)), fp32
@@ -11,7 +11,7 @@
 //   [B, Q, H, D] contiguous in q's dtype, the layout transformers' attention functions return.
 // - Each output row is a function of its query and of the keys it sees, in order, and of nothing else: a score
 //   is one fp32 dot product (vector lanes over d, then the lanes summed by halves), the softmax's sum and the
-//   value sum run over the keys in order, and a key a row does not see adds nothing (it is skipped). So a row of
+//   value sum run over the keys in order, and a key a row does not see weighs exactly 0, so adds nothing. So a row of
 //   a tree verify, whose keys have gaps where its non-ancestors sit, is bit for bit the row a one-token forward
 //   over the same keys computes, and no row depends on the rows beside it.
 // - exp is a polynomial (Cephes' expf, about 1 ulp) applied lane by lane, so a score's exp does not depend on the
@@ -206,10 +206,10 @@ void rows_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   const int64_t B = q.size(0), KVH = k.size(1), per = q.size(1) / KVH * q.size(2), chunks = (per + RB - 1) / RB;
   at::parallel_for(0, B * KVH * chunks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buffer;
+    const float sc = static_cast<float>(scale);
     for (int64_t i = t0; i < t1; ++i) {
       const int64_t first = (i % chunks) * RB;
       const Rows rows{i / (KVH * chunks), (i / chunks) % KVH, first, std::min<int64_t>(RB, per - first)};
-      const float sc = static_cast<float>(scale);
       switch (rows.count) {
         case 1: task<1, T>(rows, q, k, v, mask, sc, out, buffer); break;
         case 2: task<2, T>(rows, q, k, v, mask, sc, out, buffer); break;

@@ -14,8 +14,8 @@ and more as the verify's rows grow. Here the head computes, for its fp32 input x
    more than ``CANDIDATES`` each, as a flat row has, the whole fp32 product instead).
 
 Steps 2 and 3 run in one call of the rows extension where it is built (``rows.cpp``'s ``refine``: the logits
-copied to fp32 with their tops, then the candidates, in two passes where ATen's operators took six, about 0.2 ms
-of a one-token forward and more with a tree's rows), each candidate being the rows kernel's own fp32 product; else
+copied to fp32 with their tops, then the candidates: two passes over the logits where ATen's operators take six,
+which a tree's rows multiply), each candidate being the rows kernel's own fp32 product; else
 as ATen's operators, whose candidate is one fp32 sum. Either way a candidate's value does not depend on the rest
 of the forward.
 
