@@ -221,15 +221,16 @@ void rows_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 }
 }  // namespace
 
-static at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                  double scale) {
+static at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const std::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
                   q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
               "specviz_rows::attend: q [B, H, Q, D], k and v [B, KVH, L, D] with H a multiple of KVH");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "specviz_rows::attend: q, k and v fp32 or bf16 alike");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "specviz_rows::attend: last dimension contiguous");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "specviz_rows::attend: last dimension contiguous");
   if (mask) {
     const at::Tensor& m = *mask;
     TORCH_CHECK(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == q.size(0)) &&
