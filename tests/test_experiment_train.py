@@ -122,6 +122,23 @@ def test_the_shared_budget_benches_a_shipped_checkpoint_only_where_its_card_says
     assert not TINY.shipped_bases and shared.shipped_bases
 
 
+def test_every_shipped_drafter_an_experiment_trains_is_its_shared_budget_base():
+    """The cards of the shipped 4-epoch drafters say what the shared budget asks (their objective included), so
+    a lease trains only the variants; a card that drifted from its method's recipe would train the base again."""
+    from types import SimpleNamespace
+
+    from specviz.apps.experiment_train import shipped_bases
+    from drafters import METHODS
+    from specviz.apps.experiments import EXPERIMENTS
+
+    shared, embedded = BUDGETS["shared"], SimpleNamespace(name="embedded")
+    for name in ("hass-beta", "fspad-ablation", "semi-hq-sweep", "redrafter-rnn"):
+        exp = EXPERIMENTS[name]
+        found = shipped_bases(list(exp.trains), shared, embedded, budget_recipe(exp, shared, "cpu"),
+                              budget_config(shared, "cpu"))
+        assert set(found) == {t for t in exp.trains if t in METHODS}, name
+
+
 def test_the_command_exports_and_imports_runs_and_refuses_to_bench_several(in_processes, tiny_target_dir, tmp_path,
                                                                           monkeypatch, capsys):
     exp, folders = in_processes
