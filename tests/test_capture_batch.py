@@ -117,12 +117,15 @@ def test_warming_compiles_every_graph_a_batch_decode_meets(tiny_llama, ref_greed
     """``warm_batches`` compiles a batch's graphs (several rows or one; one new entry a row or several); after it,
     batches of other sizes, contexts and drafts (rows at unequal lengths, chains and trees, the batch shrinking
     to one row as sequences end, a buffer that grows) compile nothing: the plan keeps the rows' lengths out of
-    the graph, so they are not guarded on, and in the whole-buffer layout every bucket is one graph."""
+    the graph, so they are not guarded on, and in the whole-buffer layout every bucket is one graph. Asked while
+    the compilation runs on its thread, the warming is done when it ends; a drafter that taps layers afterwards
+    (EAGLE-3) compiles the target again, and the new forward warms the batch graphs the old one had."""
     from torch._dynamo.utils import counters
 
     compiled = TargetModel(prepare(tiny_llama(vocab_size=VOCAB, seed=4, max_positions=320), pack=True))
-    assert compiled.use_engine("compiled", layout=layout).path == "compiled"
+    compiled.use_engine("compiled", layout=layout, background=True)
     compiled.warm_batches()
+    assert compiled.captured.wait() and compiled.engine.path == "compiled", compiled.engine
     before = counters["stats"]["unique_graphs"]
     texts = prompts(6, seed=7)
     limits = [20, 9, 14, 20, 3, 17]  # uneven: the batch shrinks to one row at the end
@@ -135,6 +138,13 @@ def test_warming_compiles_every_graph_a_batch_decode_meets(tiny_llama, ref_greed
             assert [output_ids(r) for r in records] == reference
     assert counters["stats"]["unique_graphs"] == before
     assert compiled.engine.path == "compiled", compiled.engine
+    if layout == "live":  # the tap's second compilation, once
+        compiled.tap([0])
+        assert compiled.captured.wait() and compiled.engine.path == "compiled", compiled.engine
+        before = counters["stats"]["unique_graphs"]
+        records = run_batch(compiled, build_drafter("ar", compiled), texts, limits, batch_size=2, stop_on_eos=False)
+        assert [output_ids(r) for r in records] == reference
+        assert counters["stats"]["unique_graphs"] == before
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["store", "per-layer"])

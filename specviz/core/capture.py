@@ -215,7 +215,8 @@ class CapturedForward:
     decoder layers whose inputs it returns (``plain.taps`` where split). ``layout``: what attention reads
     (``LAYOUTS``; None: ``default_layout``); ``graphs``: replayed as CUDA graphs."""
 
-    def __init__(self, model: torch.nn.Module, plain=None, layout: str | None = None, taps: tuple[int, ...] = ()):
+    def __init__(self, model: torch.nn.Module, plain=None, layout: str | None = None, taps: tuple[int, ...] = (),
+                 batches: tuple[int, int] | None = None):
         device = next(model.parameters()).device
         self.layout = layout or default_layout(device)
         if self.layout not in LAYOUTS:
@@ -234,6 +235,10 @@ class CapturedForward:
         self.error: str | None = None
         self.compile_s: float | None = None
         self._thread: threading.Thread | None = None
+        # ``warm_batches``'s (rows, capacity): asked before the path was ready, or of the forward this one replaces
+        # (``TargetModel.tap``), ``warm`` compiles them too, so a timed batch run still compiles nothing
+        self.batches = batches
+        self._lock = threading.Lock()  # ``warm`` on its thread marks the path ready, ``warm_batches`` notes sizes
 
     def __call__(self, keep: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """``(logits, final-norm features, the inputs of the layers ``taps``)`` for ``self.module``'s keyword
@@ -283,36 +288,53 @@ class CapturedForward:
             self.error = failure_text(e)
             return False
         self.compile_s = time.perf_counter() - start
-        self.ready = True
-        return True
+        warmed = None
+        while True:  # then the batch graphs asked for meanwhile, before the path is ready: none compiles in a decode
+            with self._lock:
+                todo = self.batches if self.batches != warmed else None
+                if todo is None:
+                    self.ready = True
+                    return True
+            try:
+                self._warm_batches(target, *todo)
+            except Exception as e:  # noqa: BLE001 - whatever broke it breaks a batch's forward too: eager, saying why
+                self.error = f"a batch's forward: {failure_text(e)}"
+                return False
+            warmed = todo
 
     def warm_batches(self, target, rows: int = 2, capacity: int = 16) -> None:
         """Compile the graphs a batch decode meets, on a scratch batch cache, so that none compiles mid-run: one row or
         several (a size of 1 is a graph of its own), one new entry a row or several (a batch's forward always
         carries a mask, so chains and trees share one). Where forwards replay as CUDA graphs, one is recorded per
         shape, so every pair of buckets a batch of up to ``rows`` sequences meets (entries up to ``GRAPH_ENTRIES``)
-        is recorded too, on the buffers a cache of ``capacity`` tokens takes from the pool next. Nothing to do
-        where the path is not ready; a failure leaves the target eager, saying why."""
-        if not self.ready:
-            return
+        is recorded too, on the buffers a cache of ``capacity`` tokens takes from the pool next. Asked before the
+        path is ready (compiling on its thread), they are noted and ``warm`` compiles them before it marks the path
+        ready. A failure leaves the target eager, saying why."""
+        with self._lock:
+            self.batches = (rows, capacity)
+            if not self.ready:
+                return
+        try:
+            self._warm_batches(target, rows, capacity)
+        except Exception as e:  # noqa: BLE001 - whatever broke it breaks a batch's forward too: eager, saying why
+            self.ready, self.error = False, f"a batch's forward: {failure_text(e)}"
+
+    def _warm_batches(self, target, rows: int, capacity: int) -> None:
         sizes = [(r, n) for r in (1, 2) for n in (1, 2)]
         if self.graphs:
             sizes = [(1 << i, 1 << j) for i in range(bucket(rows).bit_length())
                      for j in range(GRAPH_ENTRIES.bit_length())]
-        try:
-            single = target.new_cache(16)
-            target.prefill(list(range(1, 9)), single)
-            cache = target.new_batch_cache(max(rows, 2), capacity)
-            for live, n in sizes:
-                while cache.active < live:
-                    cache.adopt(cache.add(), single)
-                cache.keep(0, 5, [])  # rows of unequal lengths, as a batch's are
-                end = cache.get_seq_length() + n
-                mask = torch.zeros(live, 1, n, end, dtype=target.dtype)
-                positions = torch.tensor(cache.lengths)[:, None] + torch.arange(n)
-                target.forward_rows(torch.ones(live, n, dtype=torch.long), positions, mask, cache, captured=self)
-        except Exception as e:  # noqa: BLE001 - whatever broke it breaks a batch's forward too: eager, saying why
-            self.ready, self.error = False, f"a batch's forward: {failure_text(e)}"
+        single = target.new_cache(16)
+        target.prefill(list(range(1, 9)), single)
+        cache = target.new_batch_cache(max(rows, 2), capacity)
+        for live, n in sizes:
+            while cache.active < live:
+                cache.adopt(cache.add(), single)
+            cache.keep(0, 5, [])  # rows of unequal lengths, as a batch's are
+            end = cache.get_seq_length() + n
+            mask = torch.zeros(live, 1, n, end, dtype=target.dtype)
+            positions = torch.tensor(cache.lengths)[:, None] + torch.arange(n)
+            target.forward_rows(torch.ones(live, n, dtype=torch.long), positions, mask, cache, captured=self)
 
     def start(self, target, then=None) -> threading.Thread:
         """``warm`` on a daemon thread, then ``then()`` (compiled or not); the target serves eager meanwhile."""
