@@ -6,7 +6,8 @@ epochs and settings, and is then benched from that checkpoint; an arm without ``
 drafter as its spec says. Every arm is benched beside AR on the same prompts in one process
 (``experiment_run``); the trained arms also report their held-out agreement per depth from training.
 
-Budgets: ``shared`` is the shipped drafters' own (every ShareGPT first turn, 4 epochs, bf16, a GPU's work);
+Budgets: ``shared`` is the shipped drafters' own (every ShareGPT first turn, 4 epochs, bf16: minutes an arm on
+a GPU, hours on a 2-core CPU, resumed across sessions with ``--train-only``);
 ``small`` is what a 2-core CPU trains within a session (the 1,000 shipped prompts, 2 epochs); ``medium`` (500
 prompts, 2 epochs) and ``mini`` (200 prompts, 1 epoch, a quick end-to-end check) are for joint training on a
 CPU, whose every step runs the target backwards. An experiment's arms share one budget, and its results file
@@ -39,7 +40,8 @@ class Budget:
 
 
 BUDGETS = {b.name: b for b in (
-    Budget("shared", "all", "all", 512, 4, "bfloat16", "the shipped drafters' budget (a GPU's work)",
+    Budget("shared", "all", "all", 512, 4, "bfloat16", "the shipped drafters' budget (minutes an arm on a "
+           "GPU, hours on a 2-core CPU: --train-only resumes)",
            shipped_bases=True),
     Budget("small", "1000", "first", 256, 2, "float32", "1,000 prompts, 2 epochs: what a 2-core CPU trains"),
     Budget("medium", "500", "first", 256, 2, "float32", "500 prompts, 2 epochs: joint training within a CPU "
