@@ -7,15 +7,24 @@ import lzma
 import shutil
 import tarfile
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 
+from drafters import METHODS
 from drafters.checkpoint import CARD, SHIPPED_WEIGHTS, weights_file
 from drafters.variants import trained_class
 from specviz.apps import experiment_train, training
 from specviz.apps.cli import main
-from specviz.apps.experiment_train import budget_config, budget_recipe, finished_runs, shipped_mismatch, train_arms
-from specviz.apps.experiments import BUDGETS, Arm, Budget, Experiment
+from specviz.apps.experiment_train import (
+    budget_config,
+    budget_recipe,
+    finished_runs,
+    shipped_bases,
+    shipped_mismatch,
+    train_arms,
+)
+from specviz.apps.experiments import BUDGETS, EXPERIMENTS, Arm, Budget, Experiment
 from specviz.apps.runs_archive import export_runs, import_runs
 from specviz.core.errors import SpecvizError
 from specviz.core.load import load_target
@@ -125,12 +134,6 @@ def test_the_shared_budget_benches_a_shipped_checkpoint_only_where_its_card_says
 def test_every_shipped_drafter_an_experiment_trains_is_its_shared_budget_base():
     """The cards of the shipped 4-epoch drafters say what the shared budget asks (their objective included), so
     a lease trains only the variants; a card that drifted from its method's recipe would train the base again."""
-    from types import SimpleNamespace
-
-    from specviz.apps.experiment_train import shipped_bases
-    from drafters import METHODS
-    from specviz.apps.experiments import EXPERIMENTS
-
     shared, embedded = BUDGETS["shared"], SimpleNamespace(name="embedded")
     for name in ("hass-beta", "fspad-ablation", "semi-hq-sweep", "redrafter-rnn"):
         exp = EXPERIMENTS[name]

@@ -215,8 +215,7 @@ class CapturedForward:
     decoder layers whose inputs it returns (``plain.taps`` where split). ``layout``: what attention reads
     (``LAYOUTS``; None: ``default_layout``); ``graphs``: replayed as CUDA graphs."""
 
-    def __init__(self, model: torch.nn.Module, plain=None, layout: str | None = None, taps: tuple[int, ...] = (),
-                 batches: tuple[int, int] | None = None):
+    def __init__(self, model: torch.nn.Module, plain=None, layout: str | None = None, taps: tuple[int, ...] = ()):
         device = next(model.parameters()).device
         self.layout = layout or default_layout(device)
         if self.layout not in LAYOUTS:
@@ -235,9 +234,9 @@ class CapturedForward:
         self.error: str | None = None
         self.compile_s: float | None = None
         self._thread: threading.Thread | None = None
-        # ``warm_batches``'s (rows, capacity): asked before the path was ready, or of the forward this one replaces
-        # (``TargetModel.tap``), ``warm`` compiles them too, so a timed batch run still compiles nothing
-        self.batches = batches
+        # ``warm_batches``'s (rows, capacity): asked before the path is ready, ``warm`` compiles them too, so a timed
+        # batch run still compiles nothing
+        self.batches: tuple[int, int] | None = None
         self._lock = threading.Lock()  # ``warm`` on its thread marks the path ready, ``warm_batches`` notes sizes
 
     def __call__(self, keep: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:

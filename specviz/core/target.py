@@ -173,7 +173,9 @@ class TargetModel:
             # compiled before: that graph returns none of the new layers' inputs, and a target with taps would decode
             # every method eagerly; compile again with them (on a thread if the first one was)
             old = self.captured
-            self.use_engine("compiled", background=old.started, layout=old.layout, batches=old.batches)
+            self.use_engine("compiled", background=old.started, layout=old.layout)
+            if old.batches is not None:  # and the batch graphs the old one had (noted until the new one is ready)
+                self.captured.warm_batches(self, *old.batches)
         return [1 + self.taps.index(i) for i in layers]
 
     # -- forward passes ---------------------------------------------------------------------
@@ -212,12 +214,11 @@ class TargetModel:
 
     # -- the engine: eager, or captured forwards (core.capture) -------------------------------
     def use_engine(self, engine: str = "auto", background: bool = False, then=None,
-                   layout: str | None = None, batches: tuple[int, int] | None = None) -> EngineStatus:
+                   layout: str | None = None) -> EngineStatus:
         """Run verify forwards ``engine``: "eager" (the model as it is), "compiled" (``core.capture``; this call
         compiles, or starts compiling on a thread with ``background``, serving eager until ready) or "auto"
         (compiled where this torch can compile, else eager with the reason). ``then()`` runs once the background
-        compilation has ended, well or not. ``layout``: what a compiled forward's attention reads (``core.capture``);
-        ``batches``: ``warm_batches``'s (rows, capacity), to compile a batch's graphs too."""
+        compilation has ended, well or not. ``layout``: what a compiled forward's attention reads (``core.capture``)."""
         if engine not in ENGINES:
             raise SettingsError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         self.captured = None
@@ -229,7 +230,7 @@ class TargetModel:
                 raise SettingsError(f"the compiled engine cannot run here: {reason}")
             self._engine_note = reason
             return self.engine
-        self.captured = CapturedForward(self.model, self._plain, layout, taps=self.taps, batches=batches)
+        self.captured = CapturedForward(self.model, self._plain, layout, taps=self.taps)
         if background:
             self.captured.start(self, then)
         elif not self.captured.warm(self) and engine == "compiled":
