@@ -4,6 +4,7 @@ figure, and one experiment end to end on a tiny target (train the arms at a budg
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,17 @@ def test_the_table_and_the_figure_show_every_arm(tiny_run):
     names = {t.name for t in fig.data}
     assert {"T = 0", "T = 1", "FSPAD", "without PAD"} <= names
     assert experiment_figure(None).layout.title.text == "no experiment results"
+
+
+def test_the_table_says_where_the_arms_trained_only_where_their_machines_differ(tiny_run):
+    """A shipped base trained on a GPU beside variants trained here: the table names both machines."""
+    result, _ = tiny_run
+    assert "Trained on" not in result.markdown()  # every arm trained on this machine
+    gpu = replace(result.arms[0].training, machine="NVIDIA H100")
+    mixed = replace(result, arms=[replace(a, training=gpu) if a.label == "FSPAD" else a for a in result.arms])
+    line = mixed.markdown().splitlines()[-1]
+    here = result.arms[1].training.machine
+    assert line == f"Trained on: NVIDIA H100 (FSPAD); {here} (without PAD)."
 
 
 def test_a_joint_experiment_benches_each_arm_on_its_own_target(tiny_target_dir, tmp_path):

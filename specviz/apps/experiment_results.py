@@ -131,7 +131,18 @@ class ExperimentResult:
                    if budget else "")
                 + f"; {self.questions}, {self.max_new_tokens} new tokens; {self.machine}, {self.date}"
                 + ("" if self.complete else "; **incomplete**") + "\n\n")
-        return head + markdown_rows(header, rows)
+        return head + markdown_rows(header, rows) + self._trained_on()
+
+    def _trained_on(self) -> str:
+        """Where each arm trained, said only where the arms' machines differ (a shipped base trained on a GPU
+        beside variants trained here): agreement is comparable across machines, training time is not."""
+        machines: dict[str, list[str]] = {}
+        for a in self.arms:
+            if a.training and a.label not in machines.get(a.training.machine, []):
+                machines.setdefault(a.training.machine, []).append(a.label)
+        if len(machines) < 2:
+            return ""
+        return "\n\nTrained on: " + "; ".join(f"{m} ({', '.join(labels)})" for m, labels in machines.items()) + "."
 
 
 def shipped_experiments(folder: Path | None = None) -> dict[str, ExperimentResult]:
