@@ -4,6 +4,7 @@ figure, and one experiment end to end on a tiny target (train the arms at a budg
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from specviz.apps.experiment_results import ExperimentResult
 from specviz.apps.experiment_run import run_experiment
 from specviz.apps.experiments import BUDGETS, EXPERIMENTS, TRAINED_SHIPPED, Arm, Budget, Experiment
 from specviz.apps.questions import Question
+from specviz.core.files import cache_dir
 
 
 def test_every_arm_is_a_method_spec_and_every_trained_arm_trains():
@@ -70,6 +72,8 @@ def test_an_experiment_trains_its_arms_benches_them_and_writes_its_results(tiny_
     assert all(a.identical_to_ar == a.prompts == 2 for a in greedy)  # lossless at T = 0
     assert all(a.training and a.training.val.get("acc1") is not None for a in result.arms)
     assert greedy[0].spec != greedy[1].spec and "checkpoint=" in greedy[1].spec  # each arm its own checkpoint
+    assert all("checkpoint=$SPECVIZ_CACHE/train/runs/" in a.spec and str(cache_dir()) not in a.spec
+               for a in greedy[1:])  # a results file names no machine's folders
     assert result.budget["name"] == "tiny" and result.budget["epochs"] == 1
 
 
@@ -146,12 +150,13 @@ def test_train_only_finds_the_arms_trained_at_the_budget_and_benches_nothing(tin
                         lambda name: Budget("tiny", "6", "first", 64, 1, "float32", "a test's", answer_tokens=8))
     args = build_parser().parse_args(["experiment", "tiny-ablation", "--train-only", "--target", str(tiny_target_dir),
                                       "--device", "cpu", "--out", str(tmp_path / "r.json")])
-    folders = [Path(a.spec.split(":checkpoint=")[1]) for a in result.arms[:2]]
+    runs = [os.path.expandvars(a.spec.split(":checkpoint=")[1]) for a in result.arms[:2]]  # $SPECVIZ_CACHE/...
+    folders = [Path(run) for run in runs]
     stamps = [sorted((f.name, f.stat().st_mtime_ns) for f in folder.iterdir()) for folder in folders]
     experiment_cli.cmd_experiment(args)
     assert [sorted((f.name, f.stat().st_mtime_ns) for f in folder.iterdir()) for folder in folders] == stamps
     printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
-    assert printed == {a.train: a.spec.split(":checkpoint=")[1] for a in result.arms[:2]}
+    assert printed == {a.train: run for a, run in zip(result.arms[:2], runs)}
     assert not (tmp_path / "r.json").exists()
     monkeypatch.setattr(experiment_cli, "experiment", lambda name: EXPERIMENTS["redrafter-beams"])
     experiment_cli.cmd_experiment(args)  # shipped drafters only: said, and nothing loaded

@@ -42,7 +42,7 @@ class Training:
 @dataclass(frozen=True)
 class ArmResult:
     label: str
-    spec: str  # as benched, with the settings it ran at
+    spec: str  # as benched, with its settings; a checkpoint's folder as experiment_run.recorded names it
     temperature: float
     tau: float | None
     speedup: float

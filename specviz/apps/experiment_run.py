@@ -14,7 +14,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from drafters.checkpoint import read_card
+from drafters.checkpoint import REPO, read_card
+from specviz.core.files import cache_dir
 from specviz.core.load import load_target
 from specviz.core.verify import Sampling
 
@@ -27,9 +28,18 @@ from .machine import machine_description
 from .questions import Question
 
 
+def recorded(spec: str) -> str:
+    """``spec`` as a results file keeps it: a checkpoint in the repository by its path there, one in the cache
+    as ``$SPECVIZ_CACHE/...``, so a shipped file names no machine's folders."""
+    for root, name in ((cache_dir(), "$SPECVIZ_CACHE/"), (REPO, "")):
+        spec = spec.replace(f"checkpoint={root.resolve()}/", f"checkpoint={name}").replace(
+            f"checkpoint={root}/", f"checkpoint={name}")
+    return spec
+
+
 def _arm_result(arm: Arm, spec: str, temperature: float, summary, training: Training | None,
                 quality: float | None) -> ArmResult:
-    return ArmResult(arm.label, spec, temperature, summary.tau, round(summary.speedup, 3),
+    return ArmResult(arm.label, recorded(spec), temperature, summary.tau, round(summary.speedup, 3),
                      round(summary.tokens_per_s, 2), summary.identical_to_ar, summary.prompts,
                      None if summary.alpha_conditional is None else [round(a, 3) for a in summary.alpha_conditional],
                      summary.mean_compression, arm.x, arm.train, training,
