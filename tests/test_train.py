@@ -13,7 +13,9 @@ from drafters import METHODS
 from drafters.training.config import TrainConfig
 from drafters.training.distill import self_distill
 from drafters.training.features import extract_features
+from drafters.training.lock import RunBusy, run_lock
 from drafters.training.loop import train
+from drafters.training.state import saved_state
 from specviz.core.errors import SettingsError
 
 
@@ -141,6 +143,14 @@ def test_validation_within_an_epoch_is_recorded_and_changes_no_weight(target, da
         assert checked["validation_checks"][-1]["val"] == checked["history"][-1]["val"]
     a, b = (load_file(str(tmp_path / f / "weights.safetensors")) for f in ("plain", "checked"))
     assert all(torch.equal(a[k], b[k]) for k in a) and plain["validation_checks"] == []
+
+
+def test_a_run_being_trained_by_another_process_is_refused_before_any_step(target, data, tmp_path):
+    cfg = TrainConfig(epochs=1, batch_tokens=128, draft_vocab=32, save_every=1)
+    with run_lock(tmp_path / "run"):  # as another trainer holds it
+        with pytest.raises(RunBusy, match="being trained now"):
+            train(METHODS["eagle2"][0], target, data, data, cfg, {}, tmp_path / "out", tmp_path / "run")
+    assert saved_state(tmp_path / "run") is None and not (tmp_path / "out").exists()
 
 
 def test_resume_needs_a_saved_state(target, data, tmp_path):

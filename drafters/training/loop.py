@@ -9,6 +9,7 @@ after every epoch, so ``resume`` continues to the weights an unbroken run reache
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -30,6 +31,7 @@ from .batches import make_batch, training_batches
 from .card import RunFacts, training_card
 from .config import TrainConfig
 from .features import FeatureSet, LayerTaps
+from .lock import run_lock
 from .state import Progress, Trainee, load_state, save_state, saved_state
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # tokens [B, T], features [B, T, H], valid [B, T]
@@ -162,13 +164,17 @@ def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: 
     """Train ``method`` on ``train_set``; save to ``out`` and return its card.
 
     With ``work``, the training state is saved there every ``cfg.save_every`` steps and after every
-    epoch; ``resume`` continues from it. The target must sit on the accelerator's device (one process
-    per device under ``accelerate launch``). ``after_step(step)`` runs after every optimizer step."""
+    epoch; ``resume`` continues from it. No other process may train in ``work`` meanwhile (``RunBusy``). The
+    target must sit on the accelerator's device (one process per device under ``accelerate launch``).
+    ``after_step(step)`` runs after every optimizer step."""
     accelerator = accelerator or make_accelerator(cfg)
     if not same_device(target.device, accelerator.device):
         raise SettingsError(f"the target is on {target.device}, this process trains on {accelerator.device}")
+    locked = run_lock(work) if work is not None and accelerator.is_main_process else contextlib.nullcontext()
     try:
-        return _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume, accelerator, after_step)
+        with locked:  # one trainer per run folder (``lock``)
+            return _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume, accelerator,
+                          after_step)
     finally:  # the accelerator keeps every object it prepared: let go, so the next drafter's run holds its own only
         accelerator.free_memory()
 

@@ -9,7 +9,6 @@ transformers' own ``generate`` (``methods.HF_BASELINES``) as outside baselines. 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from tqdm.auto import tqdm
 
 from drafters import build_drafter
 from specviz.core.attention import transformers_attention
+from specviz.core.cpu import usable_cores
 from specviz.core.engine import StepRecord, margins, run
 from specviz.core.errors import SettingsError
 from specviz.core.metrics import TIE_TOLERANCE, compare, decode_steps, divergence, extra_memory_pct, token_margins
@@ -215,7 +215,7 @@ def run_facts(target: TargetModel, max_new_tokens: int, sampling: Sampling, meth
         linear_kernels=target.kernels,  # hf runs on the default ones: transformers as its users get it
         verify_padding={shape: {str(n): m for n, m in pad.items()}
                         for shape, pad in (padding.as_dict() if padding else {}).items()},
-        cores_used=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        cores_used=usable_cores(),
         engine=str(target.engine), attention=getattr(target.config, "_attn_implementation", None))
 
 

@@ -9,7 +9,8 @@ Rules:
   the variants are trained. Where a card says otherwise, the arm trains, and the reason is printed.
 - ``jobs > 1`` prepares the data and features once here, then trains up to ``jobs`` arms at once, each in a
   process of its own (``python -m specviz.apps.experiment_train SPEC``: the experiment, budget and arm as JSON)
-  running ``train_arms`` for that arm alone, so its run folder is the one a lone run would name.
+  running ``train_arms`` for that arm alone, so its run folder is the one a lone run would name. They share the
+  cores and stop together (``side_by_side``).
 - ``trained_on``: the device the runs were trained on, when it is not the bench's (a GPU's runs benched on a
   CPU); a run that is missing is then an error, not a training run on the wrong device.
 """
@@ -17,9 +18,7 @@ Rules:
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from specviz.core.errors import SpecvizError
 from specviz.core.load import cache_dir
 
 from .experiments import Arm, Budget, Experiment
+from .side_by_side import run_side_by_side
 from .training import data_recipe, prepare_data, run_folder, train_drafters, training_classes
 
 
@@ -153,35 +153,14 @@ def train_in_processes(exp: Experiment, budget: Budget, names: list[str], target
     prepare_data(training_classes(todo).values(), target, recipe)  # once, before the processes that read them
     logs = cache_dir() / "experiments" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    running: dict[str, tuple[subprocess.Popen, float]] = {}
-    failed = []
-    queue = list(todo)
+    commands = {name: [sys.executable, "-m", "specviz.apps.experiment_train", json.dumps(
+        {"experiment": asdict(exp), "budget": asdict(budget), "arm": name, "device": cfg.device,
+         "target": target_spec})] for name in todo}
+    named_logs = {name: logs / f"{name}-{budget.name}.log" for name in todo}
     print(f"training {len(todo)} arms, {min(jobs, len(todo))} at a time; logs in {logs}", flush=True)
-    try:
-        while queue or running:
-            while queue and len(running) < jobs:
-                name = queue.pop(0)
-                spec = {"experiment": asdict(exp), "budget": asdict(budget), "arm": name, "device": cfg.device,
-                        "target": target_spec}
-                cmd = [sys.executable, "-m", "specviz.apps.experiment_train", json.dumps(spec)]
-                with (logs / f"{name}-{budget.name}.log").open("a") as log:
-                    running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), time.monotonic())
-            time.sleep(1.0)
-            for name, (proc, start) in list(running.items()):
-                if proc.poll() is not None:
-                    del running[name]
-                    print(f"{name}: {'finished' if proc.returncode == 0 else f'failed ({proc.returncode})'} after "
-                          f"{time.monotonic() - start:.0f} s", flush=True)
-                    if proc.returncode:
-                        failed.append(name)
-    finally:  # stopped (a time limit's SIGINT, say): stop the runs too; each resumes from its last saved state
-        for proc, _ in running.values():
-            proc.terminate()
-        for proc, _ in running.values():
-            proc.wait()
+    failed = run_side_by_side(commands, named_logs, jobs, cfg.device)
     if failed:
-        named = ", ".join(str(logs / f"{n}-{budget.name}.log") for n in failed)
-        raise SpecvizError(f"{', '.join(failed)} failed to train; see {named}")
+        raise SpecvizError(f"{', '.join(failed)} failed to train; see {', '.join(str(named_logs[n]) for n in failed)}")
 
 
 def _train_one(spec: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def cpuinfo(field: str) -> str:
     """The first ``field`` line of /proc/cpuinfo ("flags", "model name"), or "" where there is none."""
@@ -14,3 +16,8 @@ def cpuinfo(field: str) -> str:
 
 def cpu_flags() -> set[str]:
     return set(cpuinfo("flags").split())
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which a container or ``taskset`` narrows), not the host's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

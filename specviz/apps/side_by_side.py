@@ -1,0 +1,79 @@
+"""Several commands run side by side, each with its own log, and stopped together.
+
+Rules:
+- At most ``jobs`` run at once; the rest wait in the given order and start as others end.
+- On a CPU each gets its share of the cores (``OMP_NUM_THREADS``), unless the user set that already: torch would
+  give every process all of them, and the processes would fight over each core.
+- However this process is stopped (an exception, Ctrl-C, a time limit's SIGINT, a plain ``kill``'s SIGTERM), the
+  commands still running are stopped too, and waited for. Only a SIGKILL of this process leaves them running; a
+  training run's lock (``drafters.training.lock``) then keeps a second trainer off its folder.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from specviz.core.cpu import usable_cores
+
+
+def child_env(device: str, at_once: int) -> dict[str, str]:
+    """The environment of one of ``at_once`` processes sharing this machine for work on ``device``."""
+    env = dict(os.environ)
+    if torch.device(device).type == "cpu" and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // at_once))
+    return env
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # an exit runs ``finally`` blocks; Python's default SIGTERM runs none
+
+
+@contextmanager
+def sigterm_as_exit():
+    """Within the body, SIGTERM exits through ``finally`` blocks (in the main thread; elsewhere, as before)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_side_by_side(commands: dict[str, list[str]], logs: dict[str, Path], jobs: int, device: str,
+                     poll_s: float = 1.0) -> list[str]:
+    """Run each named command, its output appended to its log, at most ``jobs`` at once; returns the names of
+    those that failed, in the order they ended."""
+    queue, running, failed = list(commands), {}, []
+    env = child_env(device, min(jobs, len(commands)))
+    with sigterm_as_exit():
+        try:
+            while queue or running:
+                while queue and len(running) < jobs:
+                    name = queue.pop(0)
+                    with Path(logs[name]).open("a") as log:
+                        proc = subprocess.Popen(commands[name], stdout=log, stderr=subprocess.STDOUT, env=env)
+                    running[name] = (proc, time.monotonic())
+                time.sleep(poll_s)
+                for name, (proc, start) in list(running.items()):
+                    if proc.poll() is not None:
+                        del running[name]
+                        print(f"{name}: {'finished' if proc.returncode == 0 else f'failed ({proc.returncode})'} "
+                              f"after {time.monotonic() - start:.0f} s", flush=True)
+                        if proc.returncode:
+                            failed.append(name)
+        finally:  # stopped: stop the commands too (a training run resumes from its last save)
+            for proc, _ in running.values():
+                proc.terminate()
+            for proc, _ in running.values():
+                proc.wait()
+    return failed
