@@ -3,6 +3,8 @@ autocast trains, and the card records the budget every method shares."""
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import replace
 
 import pytest
@@ -15,7 +17,8 @@ from drafters.training.distill import self_distill
 from drafters.training.features import extract_features
 from drafters.training.lock import RunBusy, run_lock
 from drafters.training.loop import train
-from drafters.training.state import saved_state
+from drafters.training.state import Progress, saved_state
+from drafters.training.stop import TrainingStopped
 from specviz.core.errors import SettingsError
 
 
@@ -61,6 +64,54 @@ def test_a_killed_run_resumes_to_the_unbroken_weights(method, target, data, tmp_
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert again["history"] == whole["history"] and again["training"]["steps"] == whole["training"]["steps"]
         assert again["training"]["answer_tokens_seen"] == whole["training"]["answer_tokens_seen"]
+
+
+class Before(Exception):
+    """What SIGINT and SIGTERM did before training started: the test fails with it wherever they still do that."""
+
+
+def before(signum, frame):
+    raise Before(signum)
+
+
+@pytest.fixture
+def signals_before():
+    previous = {s: signal.signal(s, before) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
+def signal_at(step: int, signum: int, times: int = 1):
+    def after_step(done: int) -> None:
+        if done == step:
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
+
+    return after_step
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_the_run_at_the_end_of_its_step_with_the_state_saved(signum, target, data, tmp_path,
+                                                                            signals_before):
+    cfg = TrainConfig(epochs=2, batch_tokens=128, lr=3e-3, draft_vocab=32, save_every=3)
+    cls = METHODS["eagle2"][0]
+    train(cls, target, data, data, cfg, {}, tmp_path / "whole", tmp_path / "run-a")
+    with pytest.raises(TrainingStopped):  # asked at step 5, between the saves at 3 and 6
+        train(cls, target, data, data, cfg, {}, tmp_path / "never", tmp_path / "run", after_step=signal_at(5, signum))
+    assert Progress.load(saved_state(tmp_path / "run")).step == 5 and not (tmp_path / "never").exists()
+    assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) is before
+    train(cls, target, data, data, cfg, {}, tmp_path / "resumed", tmp_path / "run", resume=True)
+    a, b = (load_file(str(tmp_path / f / "weights.safetensors")) for f in ("whole", "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_second_signal_acts_as_before_at_once(target, data, tmp_path, signals_before):
+    cfg = TrainConfig(epochs=1, batch_tokens=128, draft_vocab=32, save_every=100)
+    with pytest.raises(Before):
+        train(METHODS["eagle2"][0], target, data, data, cfg, {}, None, tmp_path / "run",
+              after_step=signal_at(2, signal.SIGINT, times=2))
+    assert saved_state(tmp_path / "run") is None  # it did not wait for the step's end to save
 
 
 def one_flat_buffer(net: torch.nn.Module) -> torch.nn.Module:

@@ -4,7 +4,8 @@ Frozen target features -> the method's own loss -> a bf16 safetensors checkpoint
 plug in through the training protocol of ``TrainedDrafter``: ``new_network(target)`` and
 ``training_loss(net, frozen, tokens, feats, valid, evaluate, done)``. The same code runs on a CPU, one GPU,
 or several through ``accelerate launch``; its state is saved in a work folder every ``save_every`` steps and
-after every epoch, so ``resume`` continues to the weights an unbroken run reaches.
+after every epoch, and when a signal asks it to stop (``stop``), so ``resume`` continues to the weights an
+unbroken run reaches.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .config import TrainConfig
 from .features import FeatureSet, LayerTaps
 from .lock import run_lock
 from .state import Progress, Trainee, load_state, save_state, saved_state
+from .stop import StopRequest, TrainingStopped, stop_between_steps
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # tokens [B, T], features [B, T, H], valid [B, T]
 
@@ -196,31 +198,46 @@ def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume
             progress.wall_s = time.perf_counter() - start
             save_state(Path(work) / "state", run.trainee(), progress, accelerator)
 
-    first = 0  # the first step of this epoch
-    for epoch, batches in enumerate(run.plan):
-        skip = max(0, progress.step - first)  # steps of this epoch made before a resume
-        first += len(batches)
-        if epoch < len(progress.history):  # trained, evaluated and saved before a resume
-            continue
-        for batch in epoch_batches(run, train_set, batches, skip):
-            train_step(run, batch, progress)
-            bar.update()
-            bar.set_postfix(tok_s=f"{progress.tokens / max(time.perf_counter() - start, 1e-9):.0f}",
-                            **{k: f"{v:.3f}" for k, v in progress.running.items() if k in ("acc1", "loss1")})
-            if cfg.validate_every and progress.step % cfg.validate_every == 0:
-                val = validate(run, val_set)
-                progress.checks = [*(progress.checks or []), {"step": progress.step, "val": val}]
-                tqdm.write(f"{method.name} step {progress.step}: validation agreement by depth " + depths(val))
-            if after_step is not None:
-                after_step(progress.step)
-            if progress.step % cfg.save_every == 0:
-                save()
-        val = validate(run, val_set)
-        progress.history.append({"epoch": epoch + 1, "train": {k: round(v, 4) for k, v in progress.running.items()},
-                                 "val": val})
-        progress.running = {}
-        tqdm.write(f"{method.name} epoch {epoch + 1}: validation agreement by depth " + depths(val))
-        save()
+    def stop_here(saved: bool) -> None:
+        if not saved:
+            save()
+        bar.close()
+        where = f"saved in {work}: the same command resumes it" if work is not None else "not saved (no run folder)"
+        tqdm.write(f"{method.name}: stopped after step {progress.step} of {run.total_steps}; {where}")
+        raise TrainingStopped(f"{method.name} stopped after step {progress.step}")
+
+    # one process: a stop signal waits for the step's end (``stop``); several would have to agree on the step
+    asked = stop_between_steps() if accelerator.num_processes == 1 else contextlib.nullcontext(StopRequest())
+    with asked as stop:
+        first = 0  # the first step of this epoch
+        for epoch, batches in enumerate(run.plan):
+            skip = max(0, progress.step - first)  # steps of this epoch made before a resume
+            first += len(batches)
+            if epoch < len(progress.history):  # trained, evaluated and saved before a resume
+                continue
+            for batch in epoch_batches(run, train_set, batches, skip):
+                train_step(run, batch, progress)
+                bar.update()
+                bar.set_postfix(tok_s=f"{progress.tokens / max(time.perf_counter() - start, 1e-9):.0f}",
+                                **{k: f"{v:.3f}" for k, v in progress.running.items() if k in ("acc1", "loss1")})
+                if cfg.validate_every and progress.step % cfg.validate_every == 0:
+                    val = validate(run, val_set)
+                    progress.checks = [*(progress.checks or []), {"step": progress.step, "val": val}]
+                    tqdm.write(f"{method.name} step {progress.step}: validation agreement by depth " + depths(val))
+                if after_step is not None:
+                    after_step(progress.step)
+                if progress.step % cfg.save_every == 0:
+                    save()
+                if stop.asked:
+                    stop_here(saved=progress.step % cfg.save_every == 0)
+            val = validate(run, val_set)
+            trained = {k: round(v, 4) for k, v in progress.running.items()}
+            progress.history.append({"epoch": epoch + 1, "train": trained, "val": val})
+            progress.running = {}
+            tqdm.write(f"{method.name} epoch {epoch + 1}: validation agreement by depth " + depths(val))
+            save()
+            if stop.asked and epoch + 1 < len(run.plan):
+                stop_here(saved=True)
     bar.close()
     return finish(run, target, cfg, data_meta, progress, time.perf_counter() - start, out)
 

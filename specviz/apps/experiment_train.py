@@ -175,4 +175,7 @@ def _train_one(spec: str) -> None:
 
 
 if __name__ == "__main__":
-    _train_one(sys.argv[1])
+    try:
+        _train_one(sys.argv[1])
+    except KeyboardInterrupt:  # asked to stop: the run saved its state and said so in the log
+        sys.exit(130)

@@ -5,8 +5,9 @@ Rules:
 - On a CPU each gets its share of the cores (``OMP_NUM_THREADS``), unless the user set that already: torch would
   give every process all of them, and the processes would fight over each core.
 - However this process is stopped (an exception, Ctrl-C, a time limit's SIGINT, a plain ``kill``'s SIGTERM), the
-  commands still running are stopped too, and waited for. Only a SIGKILL of this process leaves them running; a
-  training run's lock (``drafters.training.lock``) then keeps a second trainer off its folder.
+  commands still running are stopped too (SIGTERM: a training run ends its step and saves), and waited for. Only
+  a SIGKILL of this process leaves them running; a training run's lock (``drafters.training.lock``) then keeps a
+  second trainer off its folder.
 """
 
 from __future__ import annotations
