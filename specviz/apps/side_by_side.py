@@ -73,6 +73,8 @@ def run_side_by_side(commands: dict[str, list[str]], logs: dict[str, Path], jobs
                         if proc.returncode:
                             failed.append(name)
         finally:  # stopped: stop the commands too (a training run resumes from its last save)
+            if running:
+                print(f"stopping {', '.join(running)}", flush=True)
             for proc, _ in running.values():
                 proc.terminate()
             for proc, _ in running.values():
