@@ -160,3 +160,62 @@ def test_the_command_exports_and_imports_runs_and_refuses_to_bench_several(in_pr
     assert out.count("imported ") == 2 and "finished before" in out  # carried, not trained again
     assert main(["experiment", "tiny-carry,tiny-carry", "--device", "cpu"]) == 2
     assert "bench one experiment at a time" in capsys.readouterr().err
+
+
+def test_the_status_says_where_each_arm_stands(in_processes, target, monkeypatch):
+    """Finished (the two trained in processes), stopped by a real signal at step 2, held by a trainer now, and not
+    started: read from the cache, in the experiment's order."""
+    import os
+    import signal
+
+    from drafters.training import loop
+    from drafters.training.config import TrainConfig
+    from drafters.training.lock import run_lock
+    from drafters.training.stop import TrainingStopped
+    from specviz.apps import experiment_status
+
+    exp = _exp("eagle2", "hass-beta0.5", "hass-passes2", "hass-topk1")
+    small_steps = lambda b, d: TrainConfig(epochs=1, batch_tokens=64, device=d, save_every=50)  # noqa: E731
+    monkeypatch.setattr(experiment_train, "budget_config", small_steps)
+    monkeypatch.setattr(experiment_status, "budget_config", small_steps)
+    real_step = loop.train_step
+
+    def step_then_ask(run, batch, progress):
+        real_step(run, batch, progress)
+        if progress.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def not_at_once(signum, frame):
+        raise AssertionError("the signal stopped the run mid-step")
+
+    monkeypatch.setattr(loop, "train_step", step_then_ask)
+    before = signal.signal(signal.SIGINT, not_at_once)
+    try:
+        with pytest.raises(TrainingStopped):
+            train_arms(_exp("hass-passes2"), TINY, target, "cpu")
+    finally:
+        signal.signal(signal.SIGINT, before)
+    monkeypatch.setattr(experiment_status, "budget_config", budget_config)  # the finished arms' own runs
+    finished = experiment_status.arm_status(_exp("eagle2", "hass-beta0.5"), TINY, target, "cpu")
+    assert [(s.arm, s.state) for s in finished] == [("eagle2", "finished"), ("hass-beta0.5", "finished")]
+    assert [s.folder for s in finished] == list(in_processes[1].values())
+
+    monkeypatch.setattr(experiment_status, "budget_config", small_steps)
+    status = experiment_status.arm_status(exp, TINY, target, "cpu")
+    assert [s.arm for s in status] == list(exp.trains)
+    stopped, fresh = status[2], status[3]
+    assert stopped.state == "stopped" and stopped.step == 2 and stopped.total > 2 and stopped.saved is not None
+    assert "2 of" in stopped.line() and "resumes" in stopped.line()
+    assert fresh.state == "not started" and fresh.step == 0
+    with run_lock(stopped.folder):  # as a trainer holds it
+        held = experiment_status.arm_status(exp, TINY, target, "cpu")[2]
+    assert held.state == "training" and held.pid == os.getpid() and f"process {os.getpid()}" in held.line()
+    assert experiment_status.arm_status(exp, TINY, target, "cpu")[2].state == "stopped"  # let go
+
+
+def test_the_status_command_lists_the_arms_and_starts_nothing(tiny_target_dir, capsys):
+    assert main(["experiment", "hass-beta,redrafter-rnn", "--budget", "mini", "--status", "--target",
+                 str(tiny_target_dir), "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    arms = EXPERIMENTS["hass-beta"].trains + EXPERIMENTS["redrafter-rnn"].trains
+    assert [line.split()[0] for line in lines] == arms and all("not started" in line for line in lines)

@@ -9,7 +9,9 @@ Rules:
   it when the process ends, however it ends, so a killed run never leaves a stale lock behind.
 - A second trainer stops before it sets up anything, with an error naming the process that holds the run.
 - The file holds the holder's process id, for that message only; the lock, not the file, is what counts.
-- Where ``fcntl`` is missing (Windows), nothing is locked.
+- Where ``fcntl`` is missing (Windows), nothing is locked, and no run has a holder.
+- ``holder`` asks without waiting: it takes a shared lock for an instant, so a trainer starting in that instant
+  is refused (and says so); start it again.
 """
 
 from __future__ import annotations
@@ -55,3 +57,20 @@ def run_lock(work: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing the last descriptor lets go of the lock
+
+
+def holder(work: Path) -> int | None:
+    """The process training in ``work`` now, or None when none is."""
+    path = Path(work) / LOCK
+    if fcntl is None or not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else -1  # held, by a process that has not written its id yet
+        return None
+    finally:
+        os.close(fd)

@@ -189,6 +189,7 @@ def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume
         if saved is None:
             raise SettingsError(f"nothing to resume in {work}: no saved training state")
         progress = load_state(saved, run.trainee(), accelerator)
+    progress.total = run.total_steps
     start = time.perf_counter() - progress.wall_s
     bar = tqdm(total=run.total_steps, initial=progress.step, desc=f"train {method.name}", unit="step",
                disable=not accelerator.is_main_process)

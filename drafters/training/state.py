@@ -31,6 +31,7 @@ class Progress:
     running: dict | None = None
     history: list | None = None  # per epoch: training and validation agreement
     checks: list | None = None  # validations during the epochs: {"step", "val"}
+    total: int = 0  # the run's steps in all (0: saved before this was recorded)
 
     def save(self, folder: Path) -> None:
         (folder / PROGRESS).write_text(json.dumps(asdict(self)))

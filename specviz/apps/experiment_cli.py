@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     e.add_argument("--train-only", action="store_true",
                    help="train (or resume) the arms and stop: bench them later, on a quiet machine, with the same "
                         "command without this flag (NAME may list several experiments, comma-separated)")
+    e.add_argument("--status", action="store_true",
+                   help="say where each trained arm stands at the budget (shipped, finished, training, stopped at step "
+                        "N, not started) and stop; NAME may list several")
     e.add_argument("--jobs", type=int, default=1,
                    help="train up to this many arms at once, each in its own process (on a GPU: one GPU, many runs)")
     e.add_argument("--export", metavar="DIR", default=None,
@@ -77,6 +80,14 @@ def cmd_experiment(args: argparse.Namespace) -> None:
             print(f"imported {folder}")
     several = "," in args.name
     exp = union(args.name.split(",")) if several else experiment(args.name)
+    if args.status:
+        from specviz.core.load import load_target
+
+        from .experiment_status import arm_status
+
+        for status in arm_status(exp, chosen, load_target(args.target, "float32", device), args.trained_on or device):
+            print(status.line())
+        return
     if args.train_only or args.export:
         if not exp.trains and not exp.joint:  # its arms are shipped drafters: nothing to load or train
             print(f"{exp.name} trains no arms: bench it without --train-only")

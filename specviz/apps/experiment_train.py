@@ -63,8 +63,9 @@ def shipped_mismatch(card: dict, cls, recipe_card: dict, feature_dtype: str, cfg
     return wrong
 
 
-def shipped_bases(names: list[str], budget: Budget, target, recipe, cfg) -> dict[str, Path]:
-    """The arms among ``names`` that bench a shipped checkpoint at this budget (see the module's rules)."""
+def shipped_bases(names: list[str], budget: Budget, target, recipe, cfg, quiet: bool = False) -> dict[str, Path]:
+    """The arms among ``names`` that bench a shipped checkpoint at this budget (see the module's rules); unless
+    ``quiet``, says why a shipped one does not."""
     from drafters.checkpoint import default_path, read_card
 
     found = {}
@@ -76,10 +77,10 @@ def shipped_bases(names: list[str], budget: Budget, target, recipe, cfg) -> dict
         if not (folder / CARD).exists():
             continue
         wrong = shipped_mismatch(read_card(folder), cls, recipe.card(target), budget.dtype, cfg)
-        if wrong:
+        if wrong and not quiet:
             print(f"{name}: the shipped checkpoint was not trained at the {budget.name} budget ({'; '.join(wrong)}); "
                   "training it", flush=True)
-        else:
+        elif not wrong:
             found[name] = folder
     return found
 

@@ -1,0 +1,72 @@
+"""Where an experiment's trained arms stand at a budget, read from the cache without touching a run.
+
+An arm is shipped (its checkpoint in ``assets/drafters`` is its run at this budget), finished (a checkpoint in
+its run folder), training (a process holds the run now: ``drafters.training.lock``), stopped (a saved state and
+no process) or not started. A part-trained run says its step, the steps in all and when it last saved, so a
+session that comes back to a long CPU job knows where it stands before it starts anything.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from drafters.checkpoint import CARD
+
+from .experiment_train import budget_config, budget_recipe, shipped_bases
+from .experiments import Budget, Experiment
+from .training import run_folder, training_classes
+
+
+@dataclass(frozen=True)
+class ArmStatus:
+    arm: str  # the method or variant, and its joint lambda where it trains jointly
+    state: str  # shipped, finished, training, stopped or not started
+    folder: Path | None  # the checkpoint (shipped, finished) or the run folder
+    step: int = 0
+    total: int = 0  # 0 where the saved state predates the record
+    saved: float | None = None  # when the state was last saved (seconds since the epoch)
+    pid: int | None = None  # the process training it now (-1: one that has not written its id yet)
+
+    def line(self, now: float | None = None) -> str:
+        where = f"{self.step:,} of {self.total:,} steps" if self.total else f"{self.step:,} steps"
+        if self.saved is not None:
+            where += f", saved {_ago((now or time.time()) - self.saved)}"
+        detail = {"shipped": str(self.folder), "finished": str(self.folder), "not started": "",
+                  "stopped": f"{where}; the same --train-only command resumes it",
+                  "training": f"{where}, by process {self.pid}" if self.pid and self.pid > 0 else where}[self.state]
+        return f"{self.arm:34} {self.state:12} {detail}".rstrip()
+
+
+def _ago(seconds: float) -> str:
+    minutes = max(0, int(seconds // 60))
+    return f"{minutes} min ago" if minutes < 120 else f"{minutes / 60:.0f} h ago"
+
+
+def arm_status(exp: Experiment, budget: Budget, target, device: str) -> list[ArmStatus]:
+    """Every trained arm of ``exp`` at ``budget``, as trained on ``device``, in the experiment's order."""
+    from drafters.training.joint import JointOptions
+    from drafters.training.lock import holder
+    from drafters.training.state import PROGRESS, Progress, saved_state
+
+    recipe, cfg = budget_recipe(exp, budget, device), budget_config(budget, device)
+    shipped = shipped_bases(exp.trains, budget, target, recipe, cfg, quiet=True)
+    arms = [(n, None) for n in exp.trains] + [(n, lam) for lam, ns in exp.joint.items() for n in ns]
+    out = []
+    for name, lam in arms:
+        label = name if lam is None else f"{name} jointly (lambda {lam:g})"
+        if lam is None and name in shipped:
+            out.append(ArmStatus(label, "shipped", shipped[name]))
+            continue
+        cls = training_classes([name], None if lam is None else JointOptions(lam))[name]
+        work = run_folder(name, cls, recipe.features_key(target), cfg)
+        if (work / "checkpoint" / CARD).exists():
+            out.append(ArmStatus(label, "finished", work / "checkpoint"))
+            continue
+        pid, state = holder(work), saved_state(work)
+        progress = Progress.load(state) if state is not None else Progress()
+        saved = (state / PROGRESS).stat().st_mtime if state is not None else None
+        kind = "training" if pid is not None else "stopped" if state is not None else "not started"
+        out.append(ArmStatus(label, kind, work, progress.step, progress.total, saved, pid))
+    return out
