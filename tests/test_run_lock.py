@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from drafters.training.lock import LOCK, RunBusy, run_lock
+from drafters.training.lock import LOCK, RunBusy, holder, run_lock
 
 HOLD = "import sys, time; from drafters.training.lock import run_lock\nwith run_lock(sys.argv[1]):\n" \
        "    print('held', flush=True); time.sleep(60)"
@@ -55,3 +55,12 @@ def test_a_holder_killed_without_warning_leaves_no_stale_lock(tmp_path):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_the_holder_is_named_while_it_trains_and_none_after(tmp_path):
+    assert holder(tmp_path) is None  # never trained
+    with run_lock(tmp_path):
+        assert holder(tmp_path) == os.getpid()
+    assert holder(tmp_path) is None
+    with run_lock(tmp_path):  # asking took nothing from the trainer
+        pass
