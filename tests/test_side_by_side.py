@@ -64,3 +64,18 @@ def test_a_sigterm_to_the_runner_stops_the_commands_it_started(tmp_path):
         with pytest.raises(ProcessLookupError):  # stopped and reaped, not left training as orphans
             os.kill(pid, 0)
     assert not (tmp_path / "c.pid").exists()  # the queued one never started
+
+
+def test_a_command_waits_until_it_is_ready_and_starts_anyway_when_nothing_else_can(tmp_path):
+    marker = tmp_path / "prefix-written"
+    write = f"import json, time; s = time.time(); time.sleep(0.3); open({str(marker)!r}, 'w').write('x'); " \
+            "print(json.dumps([s, time.time()]))"
+    commands = {"writer": [sys.executable, "-c", write], "waits": [sys.executable, "-c", TIMED.format(0)],
+                "other": [sys.executable, "-c", TIMED.format(0)], "never": [sys.executable, "-c", TIMED.format(0)]}
+    logs = {name: tmp_path / f"{name}.log" for name in commands}
+    ready = {"waits": marker.exists, "never": lambda: False}
+    assert run_side_by_side(commands, logs, jobs=2, device="cpu", poll_s=0.02, ready=ready) == []
+    span = {n: json.loads(logs[n].read_text().splitlines()[-1]) for n in commands}
+    assert span["waits"][0] >= span["writer"][1] - 0.05  # not before the marker was written
+    assert span["other"][0] < span["writer"][1]  # the ready one took the free slot meanwhile
+    assert span["never"][0] >= max(span[n][1] for n in ("writer", "waits", "other")) - 0.05  # last, alone

@@ -14,7 +14,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,7 +32,8 @@ from .batches import make_batch, training_batches
 from .card import RunFacts, training_card
 from .config import TrainConfig
 from .features import FeatureSet, LayerTaps
-from .lock import run_lock
+from .lock import RunBusy, run_lock
+from .prefix import branch_step
 from .state import Progress, Trainee, load_state, save_state, saved_state
 from .stop import StopRequest, TrainingStopped, stop_between_steps
 
@@ -160,15 +161,29 @@ def train_step(run: Run, batch: Batch, progress: Progress) -> None:
         progress.running[k] = 0.9 * progress.running.get(k, v) + 0.1 * v
 
 
+def shareable(progress: Progress) -> Progress:
+    """``progress`` as the arms that share its prefix may take it: validation measures each arm's whole objective,
+    late term included, so the losses validated before the branch are this arm's own and are left out; the
+    agreement, the same for every arm, stays."""
+    def early(val: dict) -> dict:
+        return {k: v for k, v in val.items() if not k.startswith("loss")}
+
+    return replace(progress, history=[{**h, "val": early(h["val"])} for h in progress.history or []],
+                   checks=[{**c, "val": early(c["val"])} for c in progress.checks or []] or None)
+
+
 def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: FeatureSet, cfg: TrainConfig,
           data_meta: dict, out: Path | None = None, work: Path | None = None, resume: bool = False,
-          accelerator: Accelerator | None = None, after_step: Callable[[int], None] | None = None) -> dict:
+          accelerator: Accelerator | None = None, after_step: Callable[[int], None] | None = None,
+          prefix: Path | None = None) -> dict:
     """Train ``method`` on ``train_set``; save to ``out`` and return its card.
 
     With ``work``, the training state is saved there every ``cfg.save_every`` steps and after every
     epoch; ``resume`` continues from it. No other process may train in ``work`` meanwhile (``RunBusy``). The
     target must sit on the accelerator's device (one process per device under ``accelerate launch``).
-    ``after_step(step)`` runs after every optimizer step."""
+    ``after_step(step)`` runs after every optimizer step. ``prefix``: the folder of the state this run shares with
+    the arms whose objectives differ from its own only late (``prefix``); a fresh run starts from it where it
+    exists and writes it where it does not (one process only)."""
     accelerator = accelerator or make_accelerator(cfg)
     if not same_device(target.device, accelerator.device):
         raise SettingsError(f"the target is on {target.device}, this process trains on {accelerator.device}")
@@ -176,19 +191,27 @@ def train(method: type[TrainedDrafter], target, train_set: FeatureSet, val_set: 
     try:
         with locked:  # one trainer per run folder (``lock``)
             return _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume, accelerator,
-                          after_step)
+                          after_step, prefix if accelerator.num_processes == 1 else None)
     finally:  # the accelerator keeps every object it prepared: let go, so the next drafter's run holds its own only
         accelerator.free_memory()
 
 
-def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume, accelerator, after_step) -> dict:
+def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume, accelerator, after_step,
+           prefix) -> dict:
     run = set_up(method, target, train_set, cfg, data_meta, accelerator)
     progress = Progress(running={}, history=[])
+    branch = branch_step(getattr(method, "loss", None), run.total_steps) if prefix is not None else None
     if resume:
         saved = saved_state(work)
         if saved is None:
             raise SettingsError(f"nothing to resume in {work}: no saved training state")
         progress = load_state(saved, run.trainee(), accelerator)
+    elif branch is not None and (shared := saved_state(prefix)) is not None:
+        progress = load_state(shared, run.trainee(), accelerator)
+        if progress.step != branch:
+            raise SettingsError(f"the shared prefix {prefix} stops at step {progress.step}, not {branch}")
+        progress.started_from = {"prefix": Path(prefix).name, "step": branch}
+        tqdm.write(f"{method.name}: starting at step {branch} from the shared prefix {prefix}")
     progress.total = run.total_steps
     start = time.perf_counter() - progress.wall_s
     bar = tqdm(total=run.total_steps, initial=progress.step, desc=f"train {method.name}", unit="step",
@@ -198,6 +221,15 @@ def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume
         if work is not None:
             progress.wall_s = time.perf_counter() - start
             save_state(Path(work) / "state", run.trainee(), progress, accelerator)
+
+    def share() -> None:  # the state after the branch step, for the arms that differ from this one only after it
+        try:
+            with run_lock(prefix):
+                if saved_state(prefix) is None:
+                    progress.wall_s = time.perf_counter() - start
+                    save_state(Path(prefix) / "state", run.trainee(), shareable(progress), accelerator)
+        except RunBusy:
+            pass  # another run is writing it now
 
     def stop_here(saved: bool) -> None:
         if not saved:
@@ -229,6 +261,8 @@ def _train(method, target, train_set, val_set, cfg, data_meta, out, work, resume
                     after_step(progress.step)
                 if progress.step % cfg.save_every == 0:
                     save()
+                if progress.step == branch:
+                    share()
                 if stop.asked:
                     stop_here(saved=progress.step % cfg.save_every == 0)
             val = validate(run, val_set)

@@ -32,6 +32,7 @@ class Progress:
     history: list | None = None  # per epoch: training and validation agreement
     checks: list | None = None  # validations during the epochs: {"step", "val"}
     total: int = 0  # the run's steps in all (0: saved before this was recorded)
+    started_from: dict | None = None  # the shared prefix the run started from (``prefix``): its key and step
 
     def save(self, folder: Path) -> None:
         (folder / PROGRESS).write_text(json.dumps(asdict(self)))

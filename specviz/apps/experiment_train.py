@@ -159,9 +159,26 @@ def train_in_processes(exp: Experiment, budget: Budget, names: list[str], target
          "target": target_spec})] for name in todo}
     named_logs = {name: logs / f"{name}-{budget.name}.log" for name in todo}
     print(f"training {len(todo)} arms, {min(jobs, len(todo))} at a time; logs in {logs}", flush=True)
-    failed = run_side_by_side(commands, named_logs, jobs, cfg.device)
+    failed = run_side_by_side(commands, named_logs, jobs, cfg.device, ready=after_prefixes(todo, target, recipe, cfg))
     if failed:
         raise SpecvizError(f"{', '.join(failed)} failed to train; see {', '.join(str(named_logs[n]) for n in failed)}")
+
+
+def after_prefixes(names: list[str], target, recipe, cfg) -> dict:
+    """For each arm that shares a prefix (``drafters.training.prefix``) not yet written, but the first: wait
+    until it is, so that the others start at its branch step instead of training the same steps alongside."""
+    from drafters.training.prefix import prefix_folder
+    from drafters.training.state import saved_state
+
+    classes, root, writers, ready = training_classes(names), cache_dir() / "train" / "prefixes", set(), {}
+    for name in names:
+        folder = prefix_folder(classes[name], recipe.features_key(target), cfg, root)
+        if folder is None or saved_state(folder) is not None:
+            continue
+        if folder in writers:
+            ready[name] = lambda folder=folder: saved_state(folder) is not None
+        writers.add(folder)
+    return ready
 
 
 def _train_one(spec: str) -> None:

@@ -1,7 +1,9 @@
 """Several commands run side by side, each with its own log, and stopped together.
 
 Rules:
-- At most ``jobs`` run at once; the rest wait in the given order and start as others end.
+- At most ``jobs`` run at once; the rest wait in the given order and start as others end. A command may also
+  wait to be ready (``ready``: a training run for the shared prefix another one is writing): the first ready
+  one starts, and when none is ready and nothing runs, the first starts anyway.
 - On a CPU each gets its share of the cores (``OMP_NUM_THREADS``), unless the user set that already: torch would
   give every process all of them, and the processes would fight over each core.
 - However this process is stopped (an exception, Ctrl-C, a time limit's SIGINT, a plain ``kill``'s SIGTERM), the
@@ -17,6 +19,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,16 +54,21 @@ def sigterm_as_exit():
 
 
 def run_side_by_side(commands: dict[str, list[str]], logs: dict[str, Path], jobs: int, device: str,
-                     poll_s: float = 1.0) -> list[str]:
-    """Run each named command, its output appended to its log, at most ``jobs`` at once; returns the names of
-    those that failed, in the order they ended."""
+                     poll_s: float = 1.0, ready: dict[str, Callable[[], bool]] | None = None) -> list[str]:
+    """Run each named command, its output appended to its log, at most ``jobs`` at once (each once ``ready``
+    says so); returns the names of those that failed, in the order they ended."""
     queue, running, failed = list(commands), {}, []
+    ready = ready or {}
+
+    def next_up() -> str | None:
+        waiting = [n for n in queue if n not in ready or ready[n]()]
+        return waiting[0] if waiting else (queue[0] if queue and not running else None)
     env = child_env(device, min(jobs, len(commands)))
     with sigterm_as_exit():
         try:
             while queue or running:
-                while queue and len(running) < jobs:
-                    name = queue.pop(0)
+                while queue and len(running) < jobs and (name := next_up()) is not None:
+                    queue.remove(name)
                     with Path(logs[name]).open("a") as log:
                         proc = subprocess.Popen(commands[name], stdout=log, stderr=subprocess.STDOUT, env=env)
                     running[name] = (proc, time.monotonic())

@@ -94,6 +94,7 @@ def train_drafters(names: list[str], target_spec, recipe, cfg, out: str | None, 
     LoRA on the target with each (``drafters.training.joint``)."""
     from drafters.checkpoint import CARD, ship_checkpoint
     from drafters.training.loop import make_accelerator, train
+    from drafters.training.prefix import prefix_folder
     from drafters.training.state import saved_state
 
     if out and len(names) > 1:
@@ -123,8 +124,9 @@ def train_drafters(names: list[str], target_spec, recipe, cfg, out: str | None, 
             saved = saved_state(work) is not None
             if resume and not saved:
                 print(f"{name}: no saved state in {work}; starting it", flush=True)
+            prefix = prefix_folder(classes[name], recipe.features_key(target), cfg, cache_dir() / "train" / "prefixes")
             card = train(classes[name], target, train_set, val_set, cfg, meta, folder, work, resume and saved,
-                         accelerator)
+                         accelerator, prefix=prefix)
             if folder != finished and accelerator.is_main_process:  # the run folder keeps the final one too
                 shutil.copytree(folder, finished, dirs_exist_ok=True)
             print(f"wrote {folder} ({card['parameters']['trained']:,} trained parameters, "
