@@ -190,6 +190,19 @@ def chi2_pvalue(counts: dict, expected: dict) -> float:
     return float(stats.chisquare(obs, exp).pvalue)
 
 
+def tiny_training_data(target: TargetModel, n: int, seed: int, answer_tokens: int, batch: int, longest: int = 8):
+    """``n`` random prompts of 3 to ``longest - 1`` tokens with ``target``'s greedy continuations (``batch`` at a
+    time), as the features a drafter trains on."""
+    from drafters.training.distill import self_distill
+    from drafters.training.features import extract_features
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, target.vocab_size, (int(torch.randint(3, longest, (1,), generator=gen)),),
+                             generator=gen).tolist() for _ in range(n)]
+    answers = self_distill(target, prompts, answer_tokens, batch)
+    return extract_features(target, [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers)])
+
+
 def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: int = 3, seed: int = 0,
                        prompts: int = 60) -> Path:
     """Train ``method`` (or a variant, ``drafters.variants``) for ``target`` through the real pipeline on its own
@@ -199,17 +212,11 @@ def train_tiny_drafter(target: TargetModel, method: str, folder: Path, epochs: i
     from accelerate.state import AcceleratorState
 
     from drafters.training.config import TrainConfig
-    from drafters.training.distill import self_distill
-    from drafters.training.features import extract_features
     from drafters.training.loop import train
     from drafters.variants import trained_class
 
     vocab = target.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, vocab, (int(torch.randint(3, 10, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(prompts)]
-    answers = self_distill(target, prompts, 24, 16)
-    data = extract_features(target, [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers)])
+    data = tiny_training_data(target, prompts, seed, 24, 16, longest=10)
     cfg = TrainConfig(epochs=epochs, batch_tokens=256, lr=3e-3, draft_vocab=max(2, vocab * 3 // 4), seed=seed,
                       device=str(target.device))  # a target on a GPU trains its drafter there
     # accelerate keeps one device per process; this one trains on the CPU and on a GPU (found on a lent H200)

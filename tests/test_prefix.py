@@ -7,10 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import tiny_training_data
 from drafters import METHODS
 from drafters.training.config import TrainConfig
-from drafters.training.distill import self_distill
-from drafters.training.features import extract_features
 from drafters.training.loop import train
 from drafters.training.prefix import branch_step, prefix_folder, prefix_key
 from drafters.training.state import Progress, saved_state
@@ -26,11 +25,7 @@ def target(tiny_target):
 
 @pytest.fixture(scope="module")
 def data(target):
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 48, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(30)]
-    answers = self_distill(target, prompts, 12, 8)
-    return extract_features(target, [(torch.tensor(p + a), len(p)) for p, a in zip(prompts, answers)])
+    return tiny_training_data(target, 30, 1, 12, 8)
 
 
 def weights(folder):
