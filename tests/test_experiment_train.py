@@ -225,18 +225,17 @@ def test_the_status_command_lists_the_arms_and_starts_nothing(tiny_target_dir, c
 
 
 def test_arms_that_share_a_prefix_wait_for_its_first_arm_to_write_it(target, tmp_path, monkeypatch):
-    from drafters.training.prefix import prefix_folder
     from drafters.training.state import save_state
 
-    monkeypatch.setattr(experiment_train, "cache_dir", lambda: tmp_path)  # its stand-in prefix is no real run's
+    monkeypatch.setattr(training, "cache_dir", lambda: tmp_path)  # its stand-in prefix is no real run's
 
     names = ["hass-topk1", "hass-beta0.5", "hass-topk5", "hass-w2", "eagle2"]
     recipe, cfg = budget_recipe(_exp(*names), TINY, "cpu"), budget_config(TINY, "cpu")
     ready = experiment_train.after_prefixes(names, target, recipe, cfg)
     assert sorted(ready) == ["hass-topk5", "hass-w2"]  # topk1 writes it; beta 0.5 has its own; eagle2 has none
     assert not any(wait() for wait in ready.values())
-    folder = prefix_folder(trained_class("hass-topk5"), recipe.features_key(target), cfg,
-                           experiment_train.cache_dir() / "train" / "prefixes")
+    folder = training.run_prefix(trained_class("hass-topk5"), recipe.features_key(target), cfg)
+    assert folder.is_relative_to(tmp_path)
     net = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(net.parameters())
     trainee = Trainee(net, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))

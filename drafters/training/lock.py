@@ -49,9 +49,10 @@ def run_lock(work: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-            raise RunBusy(f"{work} is being trained now by process {holder}: stop that one first (or wait for it); "
-                          "two trainers on one run would each save over the other's state") from None
+            pid = _written_id(fd)
+            who = f"process {pid}" if pid > 0 else "a process that is starting"
+            raise RunBusy(f"{work} is being trained now by {who}: stop that one first (or wait for it); two "
+                          "trainers on one run would each save over the other's state") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
@@ -69,8 +70,13 @@ def holder(work: Path) -> int | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            return int(text) if text.isdigit() else -1  # held, by a process that has not written its id yet
+            return _written_id(fd)
         return None
     finally:
         os.close(fd)
+
+
+def _written_id(fd: int) -> int:
+    """The holder's process id as it wrote it; -1 while it has not yet."""
+    text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    return int(text) if text.isdigit() else -1

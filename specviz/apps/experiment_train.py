@@ -29,7 +29,7 @@ from specviz.core.load import cache_dir
 
 from .experiments import Arm, Budget, Experiment
 from .side_by_side import run_side_by_side
-from .training import data_recipe, prepare_data, run_folder, train_drafters, training_classes
+from .training import data_recipe, prepare_data, run_folder, run_prefix, train_drafters, training_classes
 
 
 def budget_recipe(exp: Experiment, budget: Budget, device: str):
@@ -167,12 +167,11 @@ def train_in_processes(exp: Experiment, budget: Budget, names: list[str], target
 def after_prefixes(names: list[str], target, recipe, cfg) -> dict:
     """For each arm that shares a prefix (``drafters.training.prefix``) not yet written, but the first: wait
     until it is, so that the others start at its branch step instead of training the same steps alongside."""
-    from drafters.training.prefix import prefix_folder
     from drafters.training.state import saved_state
 
-    classes, root, writers, ready = training_classes(names), cache_dir() / "train" / "prefixes", set(), {}
+    classes, writers, ready = training_classes(names), set(), {}
     for name in names:
-        folder = prefix_folder(classes[name], recipe.features_key(target), cfg, root)
+        folder = run_prefix(classes[name], recipe.features_key(target), cfg)
         if folder is None or saved_state(folder) is not None:
             continue
         if folder in writers:

@@ -77,6 +77,14 @@ def run_folder(name: str, cls, features_key: str, cfg) -> Path:
     return cache_dir() / "train" / "runs" / f"{cls.variant_name or name}-{run_key(cls, features_key, cfg)}"
 
 
+def run_prefix(cls, features_key: str, cfg) -> Path | None:
+    """Where a run of ``cls`` finds or writes the first steps it shares with other arms
+    (``drafters.training.prefix``); None when its objective shares none."""
+    from drafters.training.prefix import prefix_folder
+
+    return prefix_folder(cls, features_key, cfg, cache_dir() / "train" / "prefixes")
+
+
 def prepare_data(classes, target, recipe, joint=None):
     """The recipe's sequences, with the target's features where one of ``classes`` reads them stored (EAGLE-3
     and joint training run the target's body themselves; the heads read none): (train, validation, meta)."""
@@ -94,7 +102,6 @@ def train_drafters(names: list[str], target_spec, recipe, cfg, out: str | None, 
     LoRA on the target with each (``drafters.training.joint``)."""
     from drafters.checkpoint import CARD, ship_checkpoint
     from drafters.training.loop import make_accelerator, train
-    from drafters.training.prefix import prefix_folder
     from drafters.training.state import saved_state
 
     if out and len(names) > 1:
@@ -124,9 +131,8 @@ def train_drafters(names: list[str], target_spec, recipe, cfg, out: str | None, 
             saved = saved_state(work) is not None
             if resume and not saved:
                 print(f"{name}: no saved state in {work}; starting it", flush=True)
-            prefix = prefix_folder(classes[name], recipe.features_key(target), cfg, cache_dir() / "train" / "prefixes")
             card = train(classes[name], target, train_set, val_set, cfg, meta, folder, work, resume and saved,
-                         accelerator, prefix=prefix)
+                         accelerator, prefix=run_prefix(classes[name], recipe.features_key(target), cfg))
             if folder != finished and accelerator.is_main_process:  # the run folder keeps the final one too
                 shutil.copytree(folder, finished, dirs_exist_ok=True)
             print(f"wrote {folder} ({card['parameters']['trained']:,} trained parameters, "
