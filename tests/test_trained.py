@@ -15,7 +15,8 @@ from drafters.eagle3 import Eagle3Drafter
 from drafters.fspad import FspadDrafter
 from drafters.hass import HassDrafter
 from drafters.training.features import extract_features
-from drafters.training.losses import aligned_mask, aligned_passes, feature_loss, topk_distill_loss
+from drafters.training.losses import aligned_mask, aligned_passes, feature_loss
+from drafters.training.soft_loss import Goal, soft_losses
 from drafters.vocab_head import FrozenTarget
 from specviz.core.target import TargetModel
 from specviz.core.tree import additive_mask
@@ -87,19 +88,18 @@ P_TARGET = [0.1, 0.4, 0.05, 0.3, 0.15]  # top-2: tokens 1 and 3
 Q_DRAFT = [0.4, 0.1, 0.2, 0.25, 0.05]  # the draft's own favourite (token 0) is not in the target's top-2
 
 
-def test_topk_distill_loss_by_hand():
+def test_topk_term_by_hand():
     # arbitrary offsets: the loss must normalise the logits itself
-    target_logits = torch.tensor([[math.log(p) + 3.0 for p in P_TARGET]])
-    draft_logits = torch.tensor([[math.log(q) - 1.0 for q in Q_DRAFT]])
+    target_logits = torch.tensor([[math.log(p) + 3.0 for p in P_TARGET]] * 3)
+    draft_logits = torch.tensor([[math.log(q) - 1.0 for q in Q_DRAFT]] * 3)
     k2 = -(0.4 * math.log(0.1) + 0.3 * math.log(0.25))
     k5 = -sum(p * math.log(q) for p, q in zip(P_TARGET, Q_DRAFT))
-    assert float(topk_distill_loss(target_logits, draft_logits, 2)[0]) == pytest.approx(k2, rel=1e-5)
-    assert float(topk_distill_loss(target_logits, draft_logits, 5)[0]) == pytest.approx(k5, rel=1e-5)
-    assert float(topk_distill_loss(target_logits, draft_logits, 50)[0]) == pytest.approx(k5, rel=1e-5)
-    # per position over a batch: [B, T, V] -> [B, T]
-    both = topk_distill_loss(target_logits.expand(2, 3, 5), draft_logits.expand(2, 3, 5), 2)
-    assert both.shape == (2, 3)
-    torch.testing.assert_close(both, torch.full((2, 3), k2))
+    for k, want in ((2, k2), (5, k5), (50, k5)):
+        ce, top_term, agree = soft_losses(draft_logits, Goal.of(target_logits, k))
+        torch.testing.assert_close(top_term, torch.full((3,), want), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ce, torch.full((3,), k5), rtol=1e-5, atol=1e-6)  # the whole distribution
+        assert not agree.any()  # the draft's favourite, token 0, is not the target's (token 1)
+    assert soft_losses(draft_logits, Goal.of(target_logits))[1] is None  # no Top-K term asked
 
 
 def hass_batch(seed: int = 3):

@@ -24,6 +24,8 @@ from transformers import DynamicCache
 from specviz.core.tree import additive_mask
 
 from ..vocab_head import FrozenTarget
+from .aligned_attention import AlignedLayout, aligned
+from .soft_loss import Goal, soft_losses
 
 
 @dataclass(frozen=True)
@@ -52,13 +54,6 @@ def aligned_mask(length: int, step: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def topk_distill_loss(target_logits: torch.Tensor, draft_logits: torch.Tensor, k: int) -> torch.Tensor:
-    """HASS Top-K distillation, per position: -sum over the target's top-k of p_target * log p_draft."""
-    p = torch.softmax(target_logits.float(), dim=-1)
-    top_p, top_i = p.topk(min(k, p.shape[-1]), dim=-1)
-    return -(top_p * torch.log_softmax(draft_logits.float(), dim=-1).gather(-1, top_i)).sum(-1)
-
-
 def aligned_passes(net: nn.Module, inputs: torch.Tensor, embeds: torch.Tensor, passes: int,
                    detach: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (head_in, predicted feature) for HASS passes 1..passes over a whole batch.
@@ -72,8 +67,10 @@ def aligned_passes(net: nn.Module, inputs: torch.Tensor, embeds: torch.Tensor, p
     positions = torch.arange(t, device=inputs.device)[None].expand(b, t)
     cache, current = DynamicCache(), inputs
     for step in range(1, passes + 1):
-        mask = additive_mask(aligned_mask(t, step), inputs.dtype).to(inputs.device)
-        head_in, pred = net(current, embeds, positions, mask, cache)
+        with aligned(net) as structured:  # the masked-out blocks left out, not weighted zero
+            mask = (AlignedLayout(step, t) if structured
+                    else additive_mask(aligned_mask(t, step), inputs.dtype).to(inputs.device))
+            head_in, pred = net(current, embeds, positions, mask, cache)
         yield head_in, pred
         current = torch.cat([inputs[:, :1], (pred.detach() if detach else pred)[:, :-1]], dim=1)
 
@@ -92,10 +89,9 @@ def feature_loss(net: nn.Module, frozen: FrozenTarget, tokens, feats, valid, opt
     t = inputs.shape[1]
     rows = valid.nonzero(as_tuple=True)  # only these reach the LM head: every pass's positions are among them
     goal = goal[rows]
+    topk = opts.topk if opts.topk and done >= opts.topk_after else 0
     with torch.no_grad():
-        goal_logits = frozen.logits(goal).float()
-        goal_p = torch.softmax(goal_logits, dim=-1)
-        goal_top = goal_logits.argmax(-1)
+        target = Goal.of(frozen.logits(goal), topk)
     total, stats = 0.0, {}
     passes = aligned_passes(net, inputs, frozen.embed(tokens[:, 1:]), opts.passes, opts.detach)
     for step, (head_in, pred) in enumerate(passes, start=1):
@@ -105,16 +101,15 @@ def feature_loss(net: nn.Module, frozen: FrozenTarget, tokens, feats, valid, opt
             ok[:, : step - 1] = False
         w = ok[rows].float()
         n = w.sum().clamp_min(1)
-        logits = frozen.logits(head_in[rows]).float()
-        logp = torch.log_softmax(logits, dim=-1)
-        loss = opts.token_weight * (-(goal_p * logp).sum(-1) * w).sum() / n
+        ce, top_term, agree = soft_losses(frozen.logits(head_in[rows]), target)
+        loss = opts.token_weight * (ce * w).sum() / n
         if opts.feature_weight:
             l_feat = (F.smooth_l1_loss(pred[rows].float(), goal.float(), reduction="none").mean(-1) * w).sum() / n
             loss = loss + opts.feature_weight * l_feat
-        if opts.topk and done >= opts.topk_after:
-            loss = loss + opts.topk_weight * (topk_distill_loss(goal_logits, logits, opts.topk) * w).sum() / n
+        if top_term is not None:
+            loss = loss + opts.topk_weight * (top_term * w).sum() / n
         total = total + opts.beta ** (step - 1) * loss
-        stats[f"acc{step}"] = float(((logits.argmax(-1) == goal_top).float() * w).sum() / n)
+        stats[f"acc{step}"] = float((agree.float() * w).sum() / n)
         stats[f"loss{step}"] = float(loss.detach())
     return total, stats
 
@@ -165,8 +160,7 @@ def chain_loss(net: nn.Module, frozen: FrozenTarget, tokens, feats, valid, depth
         needed[ahead[keep]] = True
     with torch.no_grad():
         goal_rows = needed.nonzero().squeeze(1)
-        goal_logits = frozen.logits(feats.reshape(b * t, -1)[goal_rows]).float()
-        goal_p, goal_top = torch.softmax(goal_logits, dim=-1), goal_logits.argmax(-1)
+        target = Goal.of(frozen.logits(feats.reshape(b * t, -1)[goal_rows]))
         goal_index = torch.zeros(b * t, dtype=torch.long, device=rows.device)
         goal_index[goal_rows] = torch.arange(goal_rows.numel(), device=rows.device)
     total, stats = 0.0, {}
@@ -174,13 +168,14 @@ def chain_loss(net: nn.Module, frozen: FrozenTarget, tokens, feats, valid, depth
         keep = keeps[d - 1]
         n = max(int(keep.sum()), 1)
         at = goal_index[rows[keep] + d]
-        logits = frozen.logits(head_in[keep]).float()
-        loss = -(goal_p[at] * torch.log_softmax(logits, dim=-1)).sum() / n
+        logits = frozen.logits(head_in[keep])
+        ce, _, agree = soft_losses(logits, target, at)
+        loss = ce.sum() / n
         total = total + loss
-        top = goal_top[at]
-        stats[f"acc{d}"] = float((logits.argmax(-1) == top).float().sum() / n)
+        stats[f"acc{d}"] = float(agree.float().sum() / n)
         stats[f"loss{d}"] = float(loss.detach())
         if evaluate:
+            logits, top = logits.float(), target.top[at]
             rank = (logits > logits.gather(-1, top[:, None])).sum(-1)
             for r in range(8):
                 stats[f"rank{d}_{r}"] = float((rank == r).float().sum() / n)
