@@ -134,3 +134,16 @@ class _Off:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on a lent one)")
+def test_on_a_real_gpu_as_the_dense_mask():
+    module, step, t = attention_module(), 3, 300
+    q, k, v = (x.detach().cuda().requires_grad_() for x in qkv(step, t))
+    grad = torch.randn(2, t, 4, 8, device="cuda")
+    results = []
+    for attend in (dense, structured):
+        out = attend(module.cuda(), q, k, v, step, t)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -70,3 +70,18 @@ def test_bf16_logits_are_read_as_they_are():
     grad = torch.autograd.grad((ce * g).sum(), logits)[0]
     assert grad.dtype == torch.bfloat16
     torch.testing.assert_close(grad, torch.autograd.grad((want * g).sum(), logits)[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on a lent one)")
+def test_on_a_real_gpu_as_the_operators():
+    """On a GPU the rows go in wide chunks (launches count there, not cache); the same values and gradient."""
+    logits, goal_logits, at, g, h = case(n=300, m=200, v=4096, seed=4)
+    gpu = logits.detach().cuda().requires_grad_()
+    ce, top_term, agree = soft_losses(gpu, Goal.of(goal_logits.cuda(), 8), at.cuda())
+    want = operators(logits, goal_logits, 8, at)
+    torch.testing.assert_close(ce.cpu(), want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(top_term.cpu(), want[1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(agree.cpu(), want[2])
+    ours = torch.autograd.grad((ce * g.cuda()).sum() + (top_term * h.cuda()).sum(), gpu)[0].cpu()
+    theirs = torch.autograd.grad((want[0] * g).sum() + (want[1] * h).sum(), logits)[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK = 1 << 18  # elements of a chunk of rows: 1 MiB in fp32, a core's share of cache
+CHUNK = 1 << 18  # elements of a chunk of rows on a CPU: 1 MiB in fp32, a core's share of cache
+WIDE_CHUNK = 1 << 26  # elsewhere: few launches matter there, not cache, so chunks only bound the memory
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class _SoftLosses(torch.autograd.Function):
         ce, tk, lse = (torch.zeros(n, dtype=work, device=logits.device) for _ in range(3))
         top = torch.empty(n, dtype=torch.long, device=logits.device)
         sums, top_sums = torch.empty_like(ce), torch.zeros_like(ce)
-        for rows in _chunks(n, logits.shape[1]):
+        for rows in _chunks(n, logits.shape[1], logits.device):
             x, p = logits[rows].to(work), probs[at[rows]].to(work)
             lse[rows], sums[rows], top[rows] = torch.logsumexp(x, -1), p.sum(-1), x.argmax(-1)
             ce[rows] = lse[rows] * sums[rows] - (p * x).sum(-1)
@@ -87,7 +88,7 @@ class _SoftLosses(torch.autograd.Function):
         grad = torch.empty_like(logits)
         g_ce = torch.zeros_like(lse) if g_ce is None else g_ce.to(lse.dtype)
         g_tk = torch.zeros_like(lse) if g_tk is None or not top_i.numel() else g_tk.to(lse.dtype)
-        for rows in _chunks(*logits.shape):
+        for rows in _chunks(*logits.shape, logits.device):
             g, h = g_ce[rows, None], g_tk[rows, None]
             d = (logits[rows].to(lse.dtype) - lse[rows, None]).exp_()
             d.mul_(g * sums[rows, None] + h * top_sums[rows, None]).addcmul_(probs[at[rows]].to(d.dtype), g, value=-1.0)
@@ -97,6 +98,6 @@ class _SoftLosses(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def _chunks(n: int, width: int) -> list[slice]:
-    size = max(1, CHUNK // max(1, width))
+def _chunks(n: int, width: int, device: torch.device) -> list[slice]:
+    size = max(1, (CHUNK if device.type == "cpu" else WIDE_CHUNK) // max(1, width))
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
