@@ -86,7 +86,7 @@ tests() {  # the suite's CUDA tests, fp32; a JUnit file says which ran and passe
   return "${PIPESTATUS[0]}"
 }
 
-profile() {  # ms per target forward against tokens verified, in bf16 and fp32
+profile() {  # ms per target forward against tokens verified, in bf16 and fp32; a training step by phase
   local slug dtype short
   slug=$(device_slug) || return 1
   for dtype in bfloat16 float32; do
@@ -95,7 +95,9 @@ profile() {  # ms per target forward against tokens verified, in bf16 and fp32
       --out "$OUT_DIR/profile_cuda_${short}_$slug.json" || return 1
   done
   python3 -m specviz profile --device cuda --dtype bfloat16 --repeats 21 --tree \
-    --out "$OUT_DIR/profile_cuda_bf16_tree_$slug.json"
+    --out "$OUT_DIR/profile_cuda_bf16_tree_$slug.json" || return 1
+  # a training step of every trained method by phase, and a whole shared-budget run's projected time
+  python3 -m specviz profile --device cuda --train all --out "$OUT_DIR/profile_train_cuda_bf16_$slug.json"
 }
 
 bench() {  # MT-bench on CUDA in bf16 at the budgets tuned on this GPU, stopped after BENCH_S seconds

@@ -20,6 +20,19 @@ def features_file(cache: Path, part: str, key: str) -> Path:
     return cache / f"{part}-{key}.safetensors"
 
 
+def extraction_dtype(target, recipe: DataRecipe) -> torch.dtype | None:
+    """The dtype a copy of the target extracts the features in, where it is not the target's own (None)."""
+    return recipe.feature_dtype if recipe.feature_dtype not in (None, target.dtype) else None
+
+
+def data_card(target, recipe: DataRecipe) -> dict:
+    """The recipe's card with the features' dtype, as training reads it (``LayerTaps`` tap in that dtype)."""
+    meta, dtype = recipe.card(target), extraction_dtype(target, recipe)
+    if dtype is not None:
+        meta["feature_dtype"] = str(dtype).replace("torch.", "")
+    return meta
+
+
 def validation_set(target, recipe: DataRecipe, cache: Path | None = None) -> tuple[FeatureSet, dict]:
     """The held-out FeatureSet and its data card, read alone when cached (the train set can be gigabytes)."""
     if cache is not None:
@@ -36,7 +49,7 @@ def prepare(target, recipe: DataRecipe, cache: Path | None = None, shipped: Path
 
     Without ``features`` (methods that run the target's body in training anyway, EAGLE-3) and none cached,
     the sets hold the tokens alone, with no feature columns: training computes them on the fly."""
-    meta, key = recipe.card(target), recipe.features_key(target)
+    meta, key = data_card(target, recipe), recipe.features_key(target)
     paths = None
     if cache is not None:
         paths = (features_file(cache, "train", key), features_file(cache, "val", key))
@@ -44,9 +57,7 @@ def prepare(target, recipe: DataRecipe, cache: Path | None = None, shipped: Path
             return FeatureSet.load(paths[0]), FeatureSet.load(paths[1]), stored_meta(paths[0])
     splits = prepare_sequences(target, recipe, cache, shipped)
     work = {part: None if cache is None else cache / f"features-{key}-{part}" for part in ("train", "val")}
-    dtype = recipe.feature_dtype if recipe.feature_dtype not in (None, target.dtype) else None
-    if dtype is not None:
-        meta["feature_dtype"] = str(dtype).replace("torch.", "")
+    dtype = extraction_dtype(target, recipe)
     if not features:
         sets = [FeatureSet.build(splits[part], [torch.zeros(s.numel(), 0) for s, _ in splits[part]])
                 for part in ("train", "val")]

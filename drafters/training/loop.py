@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from specviz.core.errors import SettingsError
+from specviz.core.timing import PhaseTimer
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..trained import TrainedDrafter
@@ -144,18 +145,39 @@ def epoch_batches(run: Run, train_set: FeatureSet, batches: list[list[int]], ski
     return run.accelerator.skip_first_batches(loader, skip) if skip else loader
 
 
-def train_step(run: Run, batch: Batch, progress: Progress) -> None:
-    """One optimizer step; ``progress`` counts it and keeps a running mean of the objective's statistics."""
+@dataclass
+class StepTimings:
+    """Seconds per phase of training steps: the layers a method taps besides the stored features (EAGLE-3), the
+    objective's forward, its backward, and the clipped optimizer step with the schedule."""
+
+    taps: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+    optimizer: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.taps + self.forward + self.backward + self.optimizer
+
+
+def train_step(run: Run, batch: Batch, progress: Progress, timer: PhaseTimer | None = None) -> None:
+    """One optimizer step; ``progress`` counts it and keeps a running mean of the objective's statistics.
+    ``timer`` (phases of ``StepTimings``) charges each phase's time; it changes nothing the step computes."""
+    phase = timer or (lambda _: contextlib.nullcontext())
     tokens, feats, valid = batch
-    feats = run.taps(tokens, feats)
-    with torch.autocast(run.accelerator.device.type, torch.bfloat16, enabled=run.cfg.mixed_precision == "bf16"):
+    with phase("taps"):
+        feats = run.taps(tokens, feats)
+    with phase("forward"), torch.autocast(run.accelerator.device.type, torch.bfloat16,
+                                          enabled=run.cfg.mixed_precision == "bf16"):
         loss, stats = run.method.training_loss(run.net, run.frozen, tokens, feats, valid,
                                                done=progress.step / run.total_steps)
-    run.optimizer.zero_grad(set_to_none=True)
-    run.accelerator.backward(loss)
-    run.accelerator.clip_grad_norm_(run.net.parameters(), run.cfg.clip)
-    run.optimizer.step()
-    run.schedule.step()
+    with phase("backward"):
+        run.optimizer.zero_grad(set_to_none=True)
+        run.accelerator.backward(loss)
+    with phase("optimizer"):
+        run.accelerator.clip_grad_norm_(run.net.parameters(), run.cfg.clip)
+        run.optimizer.step()
+        run.schedule.step()
     progress.step, progress.tokens = progress.step + 1, progress.tokens + int(valid.sum())
     for k, v in stats.items():
         progress.running[k] = 0.9 * progress.running.get(k, v) + 0.1 * v

@@ -131,17 +131,24 @@ def collect_sequences(target, recipe: DataRecipe, work: Path | None = None) -> d
             for name, part in parts.items()}
 
 
+def find_sequences(target, recipe: DataRecipe, cache: Path | None = None,
+                   shipped: Path | None = SHIPPED_SEQUENCES) -> Path | None:
+    """The file holding ``recipe``'s sequences for ``target``, in ``cache`` or ``shipped`` (compressed or not), or
+    None where they were never made."""
+    name = f"sequences-{recipe.key(target)}.safetensors"
+    return next((folder / file for folder in (cache, shipped) if folder is not None
+                 for file in (name, name + ".xz") if (folder / file).exists()), None)
+
+
 def prepare_sequences(target, recipe: DataRecipe, cache: Path | None = None,
                       shipped: Path | None = SHIPPED_SEQUENCES) -> dict[str, list]:
     """The train and validation token sequences: from ``cache`` or ``shipped`` when there, else collected
     (self-distillation: the slow part, resumable in ``cache``) and saved in ``cache``."""
-    name = f"sequences-{recipe.key(target)}.safetensors"
-    found = next((folder / file for folder in (cache, shipped) if folder is not None
-                  for file in (name, name + ".xz") if (folder / file).exists()), None)
+    found = find_sequences(target, recipe, cache, shipped)
     if found is not None:
         print(f"specviz: training sequences from {found}", flush=True)
         return load_sequences(found)
     splits = collect_sequences(target, recipe, None if cache is None else cache / "distill")
     if cache is not None:
-        save_sequences(cache / name, splits, recipe.card(target))
+        save_sequences(cache / f"sequences-{recipe.key(target)}.safetensors", splits, recipe.card(target))
     return splits

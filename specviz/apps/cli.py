@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--kernels", action="store_true",
                     help="measure again which CPU kernel (packed oneDNN or PyTorch's default) runs each row count of "
                          "the target's linear layers on this machine, and print the timings (cached otherwise)")
+    pr.add_argument("--train", default=None, metavar="METHODS",
+                    help="instead, time real training steps of these trained methods or variants (or all) by phase, "
+                         "on a sample of the shared budget's sequences, with a whole run's projected time "
+                         "(apps.train_profile)")
+    pr.add_argument("--steps", type=int, default=5, help="--train: timed steps per method (after one warm-up)")
+    pr.add_argument("--precision", default=None, choices=["bf16", "no", "auto"],
+                    help="--train: bf16 autocast or fp32 (default: the shared budget's, bf16)")
     pr.add_argument("--out", default=None)
 
     rep = sub.add_parser("report", help="a results.json from bench as Markdown tables; --docs: docs/results.md")
@@ -230,9 +237,11 @@ def _bench_batches(args, methods: list[str], questions, sampling) -> None:  # ap
     print(f"wrote {args.out}")
 
 
-def cmd_profile(args) -> None:  # apps.profile
+def cmd_profile(args) -> None:  # apps.profile, and apps.train_profile with --train
     from .profile import curve_text, kernels_text, profile
 
+    if args.train:
+        return _profile_training(args)
     sizes = [1]
     while sizes[-1] * 2 <= args.max_size:
         sizes.append(sizes[-1] * 2)
@@ -249,6 +258,20 @@ def cmd_profile(args) -> None:  # apps.profile
     print(curve_text(result))
     if args.out:
         atomic_write(Path(args.out), json.dumps(result, indent=1))
+
+
+def _profile_training(args) -> None:
+    from specviz.core.load import load_target
+
+    from .train_profile import profile_training
+    from .training import drafters_to_train
+
+    names = drafters_to_train(args.train)
+    target = load_target(args.target, "float32", args.device)  # training's target: fp32, features in the budget's
+    result = profile_training(target, names, args.steps, precision=args.precision)
+    print(result.text())
+    if args.out:
+        atomic_write(Path(args.out), json.dumps(result.to_dict(), indent=1))
 
 
 def cmd_report(args) -> None:  # apps.report

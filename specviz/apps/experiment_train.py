@@ -32,9 +32,11 @@ from .side_by_side import run_side_by_side
 from .training import data_recipe, prepare_data, run_folder, run_prefix, train_drafters, training_classes
 
 
-def budget_recipe(exp: Experiment, budget: Budget, device: str):
-    return data_recipe(budget.samples, not exp.domain, budget.max_prompt_tokens, budget.answer_tokens, 32,
-                       budget.prompts, budget.dtype, budget.dtype, device, exp.domain)
+def budget_recipe(exp: Experiment | None, budget: Budget, device: str):
+    """The data recipe of ``budget``: self-distilled, unless ``exp`` trains on a domain slice's own answers."""
+    domain = exp.domain if exp is not None else ""
+    return data_recipe(budget.samples, not domain, budget.max_prompt_tokens, budget.answer_tokens, 32,
+                       budget.prompts, budget.dtype, budget.dtype, device, domain)
 
 
 def budget_config(budget: Budget, device: str):

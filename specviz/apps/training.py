@@ -39,7 +39,9 @@ def drafters_to_train(spec: str) -> list[str]:
     names = trained if spec == "all" else [n.strip() for n in spec.split(",") if n.strip()]
     wrong = [n for n in names if n not in trained_names()]
     if wrong or not names:
-        raise SpecvizError(f"{', '.join(wrong) or spec!r} is not a trained drafter; choose from "
+        named = ", ".join(map(repr, wrong)) or repr(spec)
+        what = "are not trained drafters" if len(wrong) > 1 else "is not a trained drafter"
+        raise SpecvizError(f"{named} {what}; choose from "
                            f"{', '.join(trained)} (or a comma-separated list, or all), or a variant: "
                            f"{', '.join(trained_names()[len(trained):])}")
     return names

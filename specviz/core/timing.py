@@ -41,11 +41,14 @@ def now(device: torch.device | str = "cpu") -> float:
 
 
 class PhaseTimer:
-    """``with timer("verify"): ...`` adds the block's time to ``timer.timings.verify`` (see the module's notes)."""
+    """``with timer("verify"): ...`` adds the block's time to ``timer.timings.verify`` (see the module's notes).
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    ``timings``: where the seconds go, a dataclass with one float field per phase (a decoding step's ``Timings``
+    unless given; a training step has its own phases)."""
+
+    def __init__(self, device: torch.device | str = "cpu", timings=None):
         self.device = str(device)
-        self._timings = Timings()
+        self._timings = Timings() if timings is None else timings
         self._events = self.device.startswith("cuda") and torch.cuda.is_available()
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -68,7 +71,7 @@ class PhaseTimer:
             setattr(self._timings, phase, getattr(self._timings, phase) + now(self.device) - start_s)
 
     @property
-    def timings(self) -> Timings:
+    def timings(self):
         """The phases so far; on CUDA their events are read here, after one wait for the last to be reached."""
         if self._pending:
             self._pending[-1][2].synchronize()

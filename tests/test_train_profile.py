@@ -1,0 +1,129 @@
+"""``profile --train``: the timed step trains exactly as the untimed one, every method steps on the same batches,
+the whole-run projection counts the steps ``train`` plans, and the sample comes from the budget's own sequences."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_training_data
+from drafters import METHODS
+from drafters.training.batches import make_batch, training_batches
+from drafters.training.config import TrainConfig
+from drafters.training.loop import StepTimings, make_accelerator, set_up, train_step
+from drafters.training.sequences import DataRecipe, save_sequences
+from drafters.training.state import Progress
+from specviz.apps import train_profile
+from specviz.apps.cli import main
+from specviz.apps.train_profile import PHASES, profile_steps, sample_sequences, whole_run_steps
+from specviz.core.timing import PhaseTimer
+
+CFG = TrainConfig(epochs=1, batch_tokens=96, lr=3e-3, draft_vocab=32)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return tiny_target(48, seed=5, num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def data(target):
+    return tiny_training_data(target, 30, 1, 12, 8)
+
+
+def _steps(method: str, target, data, timed: bool, n: int = 3):
+    run = set_up(METHODS[method][0], target, data, CFG, {}, make_accelerator(CFG))
+    progress = Progress(running={}, history=[])
+    loader = iter(run.accelerator.prepare_data_loader(torch.utils.data.DataLoader(
+        range(len(data)), batch_sampler=run.plan[0], collate_fn=lambda ids: make_batch(data, ids, CFG.max_length))))
+    timers = []
+    for _ in range(n):
+        timers.append(PhaseTimer("cpu", StepTimings()) if timed else None)
+        train_step(run, next(loader), progress, timers[-1])
+    return run.net, progress, timers
+
+
+@pytest.mark.parametrize("method", ["eagle2", "eagle3"])  # eagle3 taps layers besides the features: a fourth phase
+def test_a_timed_step_trains_exactly_as_an_untimed_one(method, target, data):
+    plain, p_plain, _ = _steps(method, target, data, timed=False)
+    timed, p_timed, timers = _steps(method, target, data, timed=True)
+    a, b = plain.state_dict(), timed.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert p_plain.running == p_timed.running and p_plain.tokens == p_timed.tokens
+    for timer in timers:
+        t = timer.timings
+        assert all(getattr(t, p) > 0 for p in PHASES)  # every phase ran inside its block
+        assert t.total == pytest.approx(sum(getattr(t, p) for p in PHASES))
+
+
+def test_every_method_steps_on_the_same_batches_cycled_past_the_sample(target, data):
+    steps, warmup = 12, 1
+    batches = training_batches(data, CFG.batch_tokens, CFG.max_length, torch.Generator().manual_seed(CFG.seed))
+    assert len(batches) < steps + warmup  # so the sample is cycled
+    timed = [batches[i % len(batches)] for i in range(warmup, steps + warmup)]
+    answer = sum(int(make_batch(data, ids, CFG.max_length)[2].sum()) for ids in timed) / steps
+    padded = sum(make_batch(data, ids, CFG.max_length)[0].numel() for ids in timed) / steps
+    rows = profile_steps(target, ["eagle2", "medusa"], data, {}, CFG, steps, warmup)
+    assert [r.method for r in rows] == ["eagle2", "medusa"]
+    for row in rows:
+        assert (row.answer_tokens, row.padded_tokens) == (pytest.approx(answer), pytest.approx(padded))
+        assert set(row.ms) == {*PHASES, "total"} and row.ms["total"] == pytest.approx(sum(row.ms[p] for p in PHASES))
+        assert len(row.step_ms) == steps and row.ms["total"] == pytest.approx(sum(row.step_ms) / steps)
+        assert row.tokens_per_s == pytest.approx(answer / (row.ms["total"] / 1000))
+
+
+def test_the_whole_run_projection_counts_the_steps_train_plans(target, data):
+    cfg = TrainConfig(epochs=3, batch_tokens=80, draft_vocab=32, max_length=14)  # some sequences are cut
+    seqs = [(data.sequence(i)[0], data.sequence(i)[2]) for i in range(len(data))]
+    run = set_up(METHODS["eagle2"][0], target, data, cfg, {}, make_accelerator(cfg))
+    assert whole_run_steps(seqs, cfg) == run.total_steps
+
+
+def test_the_sample_is_drawn_from_the_budgets_own_sequences(target, data, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_profile, "cache_dir", lambda: tmp_path)
+    recipe = DataRecipe(30)
+    seqs = [(data.sequence(i)[0], data.sequence(i)[2]) for i in range(len(data))]
+    save_sequences(tmp_path / "train" / f"sequences-{recipe.key(target)}.safetensors",
+                   {"train": seqs, "val": seqs[:2]}, recipe.card(target))
+    picked, source, pool = sample_sequences(target, recipe, need_tokens=100, seed=3)
+    total = [s.numel() for s, _ in picked]
+    assert sum(total) >= 100 > sum(total[:-1])  # just enough
+    assert source.startswith("sequences-") and len(pool) == len(seqs)
+    stored = {(tuple(s.tolist()), a) for s, a in seqs}
+    assert all((tuple(s.tolist()), a) in stored for s, a in picked)
+    again, _, _ = sample_sequences(target, recipe, need_tokens=100, seed=3)
+    other, _, _ = sample_sequences(target, recipe, need_tokens=100, seed=4)
+    key = [(tuple(s.tolist()), a) for s, a in picked]
+    assert key == [(tuple(s.tolist()), a) for s, a in again]
+    assert key != [(tuple(s.tolist()), a) for s, a in other]
+
+
+def test_the_cli_profiles_a_users_target_on_sharegpts_own_answers(tmp_path, monkeypatch, capsys):
+    """A folder target has no self-distilled sequences: the profile samples ShareGPT's answers instead."""
+    import transformers
+
+    from conftest import make_llama
+    from specviz.core.load import embedded_folder
+
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(embedded_folder())
+    folder = tmp_path / "target"
+    make_llama(vocab_size=len(tokenizer), num_layers=2, max_positions=1024, eos=tokenizer.eos_token_id) \
+        .save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "profile.json"
+    code = main(["profile", "--train", "eagle2", "--target", str(folder), "--device", "cpu", "--steps", "2",
+                 "--precision", "no", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["data"].startswith("ShareGPT's own answers") and result["run_steps"] is None
+    assert result["precision"] == "no" and [r["method"] for r in result["rows"]] == ["eagle2"]
+    assert "eagle2" in capsys.readouterr().out
+
+
+def test_the_cli_names_a_method_that_does_not_train(capsys):
+    assert main(["profile", "--train", "pld,nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert "'pld', 'nosuch' are not trained drafters" in err and "eagle2" in err  # it lists what can be profiled
