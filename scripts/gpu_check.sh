@@ -158,9 +158,11 @@ batch() {  # issue 51's sweep: throughput against batch size beside AR, ReDrafte
   return $rc
 }
 
+REMAINING=hass-passes,hass-topk,redrafter-rnn,semi-hq-sweep  # the experiments not yet trained at the shared budget
+
 train() {  # issue 52: the experiments' trained arms at the shared budget, TRAIN_JOBS at once, stopped after TRAIN_S
   # seconds (each run resumes on this machine from its last saved state: run the step again to go on)
-  timeout -s INT -k 60 "${TRAIN_S:-480}" python3 -m specviz experiment "${EXPERIMENTS:-hass-beta,hass-passes}" \
+  timeout -s INT -k 60 "${TRAIN_S:-480}" python3 -m specviz experiment "${EXPERIMENTS:-$REMAINING}" \
     --budget shared --device cuda --train-only --jobs "${TRAIN_JOBS:-12}" 2>&1 | tee -a "$OUT_DIR/train.log" | tail -30
   local rc=${PIPESTATUS[0]}
   [ $rc = 124 ] && { say "training stopped after ${TRAIN_S:-480} s; run the step again to go on"; return 0; }
@@ -168,7 +170,7 @@ train() {  # issue 52: the experiments' trained arms at the shared budget, TRAIN
 }
 
 export_runs() {  # the finished runs of EXPORT (default: EXPERIMENTS) as tar parts of 15 MiB for the CPU to import
-  python3 -m specviz experiment "${EXPORT:-${EXPERIMENTS:-hass-beta,hass-passes}}" --budget shared --device cuda \
+  python3 -m specviz experiment "${EXPORT:-${EXPERIMENTS:-$REMAINING}}" --budget shared --device cuda \
     --export "$OUT_DIR" --part-mb 15
 }
 

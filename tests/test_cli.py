@@ -156,6 +156,8 @@ def test_train_rejects_untrained_methods_and_missing_checkpoints(tiny_folder, tm
 
     assert drafters_to_train("all") == [n for n, (c, _) in METHODS.items() if c.trained]
     assert drafters_to_train(" eagle2, hass ") == ["eagle2", "hass"]
+    everything = drafters_to_train("all")
+    assert drafters_to_train("hass-passes5,all,eagle2") == ["hass-passes5", *everything]  # once each, in order
     assert main(["train", "--drafter", "pld", "--target", tiny_folder]) == 2
     assert "not a trained drafter" in capsys.readouterr().err
     assert main(["generate", "--target", tiny_folder, "--method", f"hass:checkpoint={tmp_path / 'nothing'}",

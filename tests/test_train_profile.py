@@ -17,7 +17,7 @@ from drafters.training.sequences import DataRecipe, save_sequences
 from drafters.training.state import Progress
 from specviz.apps import train_profile
 from specviz.apps.cli import main
-from specviz.apps.train_profile import PHASES, profile_steps, sample_sequences, whole_run_steps
+from specviz.apps.train_profile import PHASES, profile_steps, run_batches, sequence_pool, stratified
 from specviz.core.timing import PhaseTimer
 
 CFG = TrainConfig(epochs=1, batch_tokens=96, lr=3e-3, draft_vocab=32)
@@ -58,46 +58,67 @@ def test_a_timed_step_trains_exactly_as_an_untimed_one(method, target, data):
         assert t.total == pytest.approx(sum(getattr(t, p) for p in PHASES))
 
 
-def test_every_method_steps_on_the_same_batches_cycled_past_the_sample(target, data):
-    steps, warmup = 12, 1
-    batches = training_batches(data, CFG.batch_tokens, CFG.max_length, torch.Generator().manual_seed(CFG.seed))
-    assert len(batches) < steps + warmup  # so the sample is cycled
-    timed = [batches[i % len(batches)] for i in range(warmup, steps + warmup)]
-    answer = sum(int(make_batch(data, ids, CFG.max_length)[2].sum()) for ids in timed) / steps
-    padded = sum(make_batch(data, ids, CFG.max_length)[0].numel() for ids in timed) / steps
-    rows = profile_steps(target, ["eagle2", "medusa"], data, {}, CFG, steps, warmup)
+def test_every_method_steps_on_the_same_batches(target, data):
+    batches = training_batches(data, CFG.batch_tokens, CFG.max_length, torch.Generator().manual_seed(1))[:4]
+    answer = sum(int(make_batch(data, ids, CFG.max_length)[2].sum()) for ids in batches) / len(batches)
+    padded = sum(make_batch(data, ids, CFG.max_length)[0].numel() for ids in batches) / len(batches)
+    rows = profile_steps(target, ["eagle2", "medusa"], data, {}, CFG, batches, warmup=2)
     assert [r.method for r in rows] == ["eagle2", "medusa"]
     for row in rows:
         assert (row.answer_tokens, row.padded_tokens) == (pytest.approx(answer), pytest.approx(padded))
         assert set(row.ms) == {*PHASES, "total"} and row.ms["total"] == pytest.approx(sum(row.ms[p] for p in PHASES))
-        assert len(row.step_ms) == steps and row.ms["total"] == pytest.approx(sum(row.step_ms) / steps)
+        assert len(row.step_ms) == len(batches) and row.ms["total"] == pytest.approx(sum(row.step_ms) / len(batches))
         assert row.tokens_per_s == pytest.approx(answer / (row.ms["total"] / 1000))
 
 
-def test_the_whole_run_projection_counts_the_steps_train_plans(target, data):
+def test_the_timed_steps_spread_over_the_runs_progress(target, data, monkeypatch):
+    """A late objective term (HASS's Top-K joins after 80 %) is in its share of the timed steps."""
+    seen = []
+
+    class Recording(METHODS["hass"][0]):
+        @classmethod
+        def training_loss(cls, *args, done: float = 1.0, **kwargs):
+            seen.append(done)
+            return super().training_loss(*args, done=done, **kwargs)
+
+    monkeypatch.setattr(train_profile, "training_classes", lambda names: {"hass": Recording})
+    batches = training_batches(data, CFG.batch_tokens, CFG.max_length, torch.Generator().manual_seed(1))[:5]
+    profile_steps(target, ["hass"], data, {}, CFG, batches, warmup=1)
+    assert seen[0] == 0.0 and len(seen) == 6
+    total = len(training_batches(data, CFG.batch_tokens, CFG.max_length, torch.Generator()))  # one epoch's steps
+    assert seen[1:] == [int((k + 0.5) * total / 5) / total for k in range(5)]
+    assert sum(d >= 0.8 for d in seen[1:]) == 1  # one step in five with the Top-K term, as in a whole run
+
+
+def test_the_profiled_batches_are_a_whole_runs_own(target, data):
     cfg = TrainConfig(epochs=3, batch_tokens=80, draft_vocab=32, max_length=14)  # some sequences are cut
     seqs = [(data.sequence(i)[0], data.sequence(i)[2]) for i in range(len(data))]
     run = set_up(METHODS["eagle2"][0], target, data, cfg, {}, make_accelerator(cfg))
-    assert whole_run_steps(seqs, cfg) == run.total_steps
+    whole = run_batches(seqs, cfg)
+    assert whole == run.plan[0] and cfg.epochs * len(whole) == run.total_steps
 
 
-def test_the_sample_is_drawn_from_the_budgets_own_sequences(target, data, tmp_path, monkeypatch):
+def test_stratified_batches_spread_from_the_shortest_to_the_longest(data):
+    seqs = [(data.sequence(i)[0], data.sequence(i)[2]) for i in range(len(data))]
+    batches = run_batches(seqs, CFG)
+    width = {tuple(b): max(seqs[i][0].numel() for i in b) for b in batches}
+    ordered = sorted(width.values())
+    assert [width[tuple(b)] for b in stratified(batches, seqs, len(batches))] == ordered  # all, in order of width
+    assert [width[tuple(b)] for b in stratified(batches, seqs, 1)] == [ordered[len(ordered) // 2]]  # the middle one
+    picks = [width[tuple(b)] for b in stratified(batches, seqs, 3)]
+    third = len(ordered) // 3
+    assert picks == sorted(picks) and picks[0] <= ordered[third] and picks[-1] >= ordered[-third]
+
+
+def test_the_pool_is_the_budgets_own_split_where_it_was_made(target, data, tmp_path, monkeypatch):
     monkeypatch.setattr(train_profile, "cache_dir", lambda: tmp_path)
     recipe = DataRecipe(30)
     seqs = [(data.sequence(i)[0], data.sequence(i)[2]) for i in range(len(data))]
     save_sequences(tmp_path / "train" / f"sequences-{recipe.key(target)}.safetensors",
                    {"train": seqs, "val": seqs[:2]}, recipe.card(target))
-    picked, source, pool = sample_sequences(target, recipe, need_tokens=100, seed=3)
-    total = [s.numel() for s, _ in picked]
-    assert sum(total) >= 100 > sum(total[:-1])  # just enough
-    assert source.startswith("sequences-") and len(pool) == len(seqs)
-    stored = {(tuple(s.tolist()), a) for s, a in seqs}
-    assert all((tuple(s.tolist()), a) in stored for s, a in picked)
-    again, _, _ = sample_sequences(target, recipe, need_tokens=100, seed=3)
-    other, _, _ = sample_sequences(target, recipe, need_tokens=100, seed=4)
-    key = [(tuple(s.tolist()), a) for s, a in picked]
-    assert key == [(tuple(s.tolist()), a) for s, a in again]
-    assert key != [(tuple(s.tolist()), a) for s, a in other]
+    pool, source, own = sequence_pool(target, recipe, enough=10)
+    assert own and source.startswith("sequences-") and len(pool) == len(seqs)
+    assert all(torch.equal(a, b) and i == j for (a, i), (b, j) in zip(pool, seqs))
 
 
 def test_the_cli_profiles_a_users_target_on_sharegpts_own_answers(tmp_path, monkeypatch, capsys):
@@ -119,6 +140,7 @@ def test_the_cli_profiles_a_users_target_on_sharegpts_own_answers(tmp_path, monk
     assert code == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
     assert result["data"].startswith("ShareGPT's own answers") and result["run_steps"] is None
+    assert result["steps"] == 2 and all(len(r["step_ms"]) == 2 for r in result["rows"])
     assert result["precision"] == "no" and [r["method"] for r in result["rows"]] == ["eagle2"]
     assert "eagle2" in capsys.readouterr().out
 

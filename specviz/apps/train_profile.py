@@ -1,11 +1,11 @@
 """Where a training step's time goes: ``profile --train``.
 
 Each method (or variant) is set up exactly as ``train`` sets it up (``drafters.training.loop.set_up``) and takes
-real optimizer steps (``train_step``, its phases timed as ``StepTimings``) on a seeded sample of a budget's
-training sequences. The target's features are extracted for that sample alone, so no feature cache is needed
-and a fresh machine can profile in a minute. Every method steps on the same batches, so the rows compare methods
-(and two revisions of the code, run one after the other on one quiet machine); the projection to a whole run is
-that run's step count times the mean step.
+real optimizer steps (``train_step``, its phases timed as ``StepTimings``) on a few of a whole run's own batches,
+spread over their lengths (``stratified``). The target's features are extracted for those batches alone, so no
+feature cache is needed and a fresh machine profiles in minutes. Every method steps on the same batches, so the rows
+compare methods (and two revisions of the code, run one after the other on one quiet machine); the projection to a
+whole run is its step count times the mean step.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class TrainProfile:
         autocast = "bf16 autocast" if self.precision == "bf16" else "fp32"
         lines = [f"training step by phase, ms (mean of {self.steps} steps after {self.warmup} warm-up), {autocast}, "
                  f"{self.batch_tokens:,}-token batches, {self.device}, on {self.machine}",
-                 f"  data: {self.sequences} sequences sampled from {self.data}",
+                 f"  data: {self.steps} of a whole run's batches ({self.sequences} sequences), from {self.data}",
                  f"  {'method':18} " + " ".join(f"{p:>9}" for p in (*PHASES, "total")) + "   answer tok/s"
                  + (f"   whole run ({self.run_steps:,} steps)" if self.run_steps else "")]
         for row in self.rows:
@@ -75,47 +75,45 @@ class TrainProfile:
             if self.run_steps:
                 line += f"   {self.run_steps * row.ms['total'] / 3.6e6:8.2f} h"
             lines.append(line)
-        spread = max((max(r.step_ms) - min(r.step_ms)) / r.ms["total"] for r in self.rows) if self.rows else 0
-        lines.append(f"  the timed steps of one method differ by up to {spread:.0%} of its mean (their batches differ "
-                     "in length; a larger spread means a noisy machine)")
+        lines.append("  the timed batches are a whole run's own, spread from its shortest to its longest (each row's "
+                     "step_ms in the results file)")
         return "\n".join(lines)
 
 
-def sample_sequences(target, recipe, need_tokens: int, seed: int = 0):
-    """Training sequences summing to at least ``need_tokens`` tokens, drawn at random (seeded) from the budget's own
-    where they were made for this target, else from ShareGPT's own answers (as ``--no-self-distill`` trains):
-    (the sample, where it came from, and the budget's whole training split where it is known, else None)."""
+def sequence_pool(target, recipe, enough: int):
+    """The budget's training split where it was made for this target, else ShareGPT's own answers to about
+    ``enough`` prompts (as ``--no-self-distill`` trains; self-distilling a new target's takes hours):
+    (sequences, where they came from, whether they are the budget's own)."""
     from drafters.training.sequences import DataRecipe, collect_sequences, find_sequences, load_sequences
 
     found = find_sequences(target, recipe, cache_dir() / "train")
     if found is not None:
-        pool, source = load_sequences(found)["train"], f"{found.name} (the budget's training split)"
-    else:  # a target of the user's own: no self-distilled sequences, and making them takes hours
-        guess = max(64, need_tokens // 128)
-        plain = DataRecipe(guess, False, recipe.max_prompt_tokens, recipe.max_new_tokens, prompts=recipe.prompts)
-        pool, source = collect_sequences(target, plain)["train"], "ShareGPT's own answers (no self-distilled set here)"
-    order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed)).tolist()
-    picked, total = [], 0
-    for i in order:
-        if total >= need_tokens:
-            break
-        picked.append(pool[i])
-        total += pool[i][0].numel()
-    return picked, source, (pool if found is not None else None)
+        return load_sequences(found)["train"], f"{found.name} (the budget's training split)", True
+    plain = DataRecipe(enough, False, recipe.max_prompt_tokens, recipe.max_new_tokens, prompts=recipe.prompts)
+    return collect_sequences(target, plain)["train"], "ShareGPT's own answers (no self-distilled set here)", False
 
 
-def whole_run_steps(pool, cfg) -> int:
-    """Optimizer steps of a whole run over ``pool`` at ``cfg`` (the batches depend only on the lengths)."""
+def run_batches(pool, cfg) -> list[list[int]]:
+    """One epoch's batches of a whole run over ``pool`` at ``cfg``, as ``train`` draws them (indices into ``pool``)."""
     from drafters.training.batches import length_batches
 
     lengths = [min(s.numel(), cfg.max_length) for s, _ in pool]
-    return cfg.epochs * len(length_batches(lengths, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed)))
+    return length_batches(lengths, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed))
 
 
-def profile_training(target, names: list[str], steps: int = 5, warmup: int = 1, precision: str | None = None,
-                     budget: str = "shared", seed: int = 0) -> TrainProfile:
+def stratified(batches: list[list[int]], pool, count: int) -> list[list[int]]:
+    """``count`` of a run's ``batches`` spread evenly over their widths (shortest to longest), so the mean of their
+    steps estimates a whole run's mean step: a step's cost turns on its batch's length (attention) and answer
+    tokens (the head), and a few random batches miss that by far (their steps differ up to threefold)."""
+    by_width = sorted(batches, key=lambda b: (max(pool[i][0].numel() for i in b), b))
+    return [by_width[int((k + 0.5) * len(by_width) / count)] for k in range(count)]
+
+
+def profile_training(target, names: list[str], steps: int = 6, warmup: int = 1, precision: str | None = None,
+                     budget: str = "shared") -> TrainProfile:
     """Time ``steps`` real training steps of each of ``names`` after ``warmup`` untimed ones, phase by phase, at
-    ``budget``'s settings (``precision`` overrides its autocast), on a sample of its sequences."""
+    ``budget``'s settings (``precision`` overrides its autocast), on ``steps`` of a whole run's own batches
+    (``stratified``); the features are extracted for their sequences alone."""
     from drafters.training.dataset import data_card, extraction_dtype
     from drafters.training.features import extract_features
 
@@ -123,40 +121,54 @@ def profile_training(target, names: list[str], steps: int = 5, warmup: int = 1, 
         raise SettingsError(f"--steps must be at least 1 and the warm-up at least 0, got {steps} and {warmup}")
     device = str(target.device)
     chosen = BUDGETS[budget]
-    recipe, whole = budget_recipe(None, chosen, device), budget_config(chosen, device)
-    # one pass over the sample: a whole run's step count comes from ``whole_run_steps``
-    cfg = replace(whole, epochs=1, precision=precision or whole.precision)
-    # twice the tokens the steps take: a length-bucketed sample that small pads about as a whole run does
-    seqs, source, pool = sample_sequences(target, recipe, 2 * (steps + warmup) * cfg.batch_tokens, seed)
+    recipe, cfg = budget_recipe(None, chosen, device), budget_config(chosen, device)
+    cfg = replace(cfg, precision=precision or cfg.precision)
+    pool, source, own = sequence_pool(target, recipe, enough=32 * steps)
+    whole = run_batches(pool, cfg)
+    picked = stratified(whole, pool, min(steps, len(whole)))
+    # in seeded random order: the timed steps also spread over the run's progress (``profile_steps``), and a late
+    # objective term (HASS's Top-K) should not land on the longest batch alone
+    chosen_batches = [picked[i] for i in torch.randperm(len(picked), generator=torch.Generator().manual_seed(0))]
+    members = [i for b in chosen_batches for i in b]  # each batch's sequences, in order, become the sample
+    seqs = [pool[i] for i in members]
     data = extract_features(target, seqs, cfg.batch_tokens, desc=None, dtype=extraction_dtype(target, recipe))
+    batches, at = [], 0
+    for b in chosen_batches:
+        batches.append(list(range(at, at + len(b))))
+        at += len(b)
     result = TrainProfile(target.name, device, cfg.mixed_precision, torch.get_num_threads(), machine_description(),
-                          time.strftime("%Y-%m-%d"), source, len(seqs), cfg.batch_tokens, warmup, steps,
-                          whole_run_steps(pool, whole) if pool is not None else None)
-    result.rows = profile_steps(target, names, data, data_card(target, recipe), cfg, steps, warmup)
+                          time.strftime("%Y-%m-%d"), source, len(seqs), cfg.batch_tokens, warmup, len(batches),
+                          cfg.epochs * len(whole) if own else None)
+    result.rows = profile_steps(target, names, data, data_card(target, recipe), cfg, batches, warmup)
     return result
 
 
-def profile_steps(target, names: list[str], data, meta: dict, cfg, steps: int, warmup: int) -> list[StepProfile]:
-    """Each method set up as ``train`` sets it up on ``data`` (a FeatureSet) and ``cfg``, then ``warmup`` + ``steps``
-    real steps, the last ``steps`` timed by phase. Every method takes the same batches (the plan is drawn from
-    ``cfg.seed``), cycled where ``data`` holds fewer."""
-    from drafters.training.loop import StepTimings, epoch_batches, make_accelerator, set_up, train_step
+def profile_steps(target, names: list[str], data, meta: dict, cfg, batches: list[list[int]],
+                  warmup: int) -> list[StepProfile]:
+    """Each method set up as ``train`` sets it up on ``data`` (a FeatureSet) and ``cfg``, then one real step on
+    each of ``batches`` (lists of indices into ``data``), timed by phase, after ``warmup`` untimed steps on the
+    first. Every method takes the same batches. Timed step k of n runs as if (k + 1/2) / n of the training were
+    done, so an objective whose terms join late (HASS's Top-K, the last fifth) has them in its share of steps."""
+    from drafters.training.batches import make_batch
+    from drafters.training.loop import StepTimings, make_accelerator, set_up, train_step
     from drafters.training.state import Progress
 
     rows = []
     for name, cls in training_classes(names).items():
         run = set_up(cls, target, data, cfg, meta, make_accelerator(cfg))
-        progress, timings, answer, padded = Progress(running={}, history=[]), [], 0, 0
-        batches = (b for _ in range(steps + warmup) for b in epoch_batches(run, data, run.plan[0], 0))
-        for i, batch in zip(range(steps + warmup), batches):
-            timer = PhaseTimer(target.device, StepTimings())
-            train_step(run, batch, progress, timer)
+        progress, timings = Progress(running={}, history=[]), []
+        device = run.accelerator.device
+        for i, ids in enumerate([batches[0]] * warmup + batches):
+            if i >= warmup:
+                progress.step = int((i - warmup + 0.5) * run.total_steps / len(batches))
+            timer = PhaseTimer(device, StepTimings())
+            train_step(run, make_batch(data, ids, cfg.max_length, device), progress, timer)
             if i >= warmup:
                 timings.append(timer.timings)
-                answer += int(batch[2].sum())
-                padded += batch[0].numel()
         ms = {p: 1000 * statistics.fmean(getattr(t, p) for t in timings) for p in PHASES}
         ms["total"] = sum(ms.values())
-        rows.append(StepProfile(name, ms, [1000 * t.total for t in timings], answer / steps, padded / steps))
+        answer = statistics.fmean(int(make_batch(data, ids, cfg.max_length)[2].sum()) for ids in batches)
+        padded = statistics.fmean(make_batch(data, ids, cfg.max_length)[0].numel() for ids in batches)
+        rows.append(StepProfile(name, ms, [1000 * t.total for t in timings], answer, padded))
         run.accelerator.free_memory()
     return rows

@@ -32,11 +32,12 @@ def data_recipe(samples: str, self_distill: bool, max_prompt_tokens: int, answer
 
 def drafters_to_train(spec: str) -> list[str]:
     """'all' (the trained methods), or one trained method or variant (``drafters.variants``), or a
-    comma-separated list of them."""
+    comma-separated list of them ('all' among them: every trained method, then the others)."""
     from drafters.variants import trained_names
 
     trained = [n for n, (c, _) in METHODS.items() if c.trained]
-    names = trained if spec == "all" else [n.strip() for n in spec.split(",") if n.strip()]
+    asked = [n.strip() for n in spec.split(",") if n.strip()]
+    names = list(dict.fromkeys(m for n in asked for m in (trained if n == "all" else [n])))
     wrong = [n for n in names if n not in trained_names()]
     if wrong or not names:
         named = ", ".join(map(repr, wrong)) or repr(spec)
