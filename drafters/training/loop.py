@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from specviz.core.errors import SettingsError
-from specviz.core.timing import PhaseTimer
+from specviz.core.timing import Phases, PhaseTimer
 
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..trained import TrainedDrafter
@@ -146,7 +146,7 @@ def epoch_batches(run: Run, train_set: FeatureSet, batches: list[list[int]], ski
 
 
 @dataclass
-class StepTimings:
+class StepTimings(Phases):
     """Seconds per phase of training steps: the layers a method taps besides the stored features (EAGLE-3), the
     objective's forward, its backward, and the clipped optimizer step with the schedule."""
 
@@ -154,10 +154,6 @@ class StepTimings:
     forward: float = 0.0
     backward: float = 0.0
     optimizer: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.taps + self.forward + self.backward + self.optimizer
 
 
 def train_step(run: Run, batch: Batch, progress: Progress, timer: PhaseTimer | None = None) -> None:

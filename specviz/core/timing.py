@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -20,17 +20,22 @@ PHASES = ("draft", "verify", "accept", "other")
 
 
 @dataclass
-class Timings:
+class Phases:
+    """Seconds per named phase: a subclass names its phases, each a float field."""
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass
+class Timings(Phases):
     """Seconds per phase of one step: drafter compute, target forward, acceptance + cache commit, the rest."""
 
     draft: float = 0.0
     verify: float = 0.0
     accept: float = 0.0
     other: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.draft + self.verify + self.accept + self.other
 
 
 def now(device: torch.device | str = "cpu") -> float:
@@ -43,10 +48,10 @@ def now(device: torch.device | str = "cpu") -> float:
 class PhaseTimer:
     """``with timer("verify"): ...`` adds the block's time to ``timer.timings.verify`` (see the module's notes).
 
-    ``timings``: where the seconds go, a dataclass with one float field per phase (a decoding step's ``Timings``
-    unless given; a training step has its own phases)."""
+    ``timings``: where the seconds go (a decoding step's ``Timings`` unless given; a training step has its own
+    ``Phases``)."""
 
-    def __init__(self, device: torch.device | str = "cpu", timings=None):
+    def __init__(self, device: torch.device | str = "cpu", timings: Phases | None = None):
         self.device = str(device)
         self._timings = Timings() if timings is None else timings
         self._events = self.device.startswith("cuda") and torch.cuda.is_available()
@@ -71,7 +76,7 @@ class PhaseTimer:
             setattr(self._timings, phase, getattr(self._timings, phase) + now(self.device) - start_s)
 
     @property
-    def timings(self):
+    def timings(self) -> Phases:
         """The phases so far; on CUDA their events are read here, after one wait for the last to be reached."""
         if self._pending:
             self._pending[-1][2].synchronize()
