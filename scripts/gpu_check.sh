@@ -17,8 +17,8 @@
 #                   "batch" sweeps batch sizes, BATCH_SIZES and BATCH_METHODS, stopped after BATCH_S seconds;
 #                   "train" trains the experiments' arms at the shared budget, EXPERIMENTS, TRAIN_JOBS at once,
 #                   stopped after TRAIN_S seconds; "export" writes their finished runs as tar parts, EXPORT)
-#   TESTS           pytest arguments for the CUDA tests (default: test_device.py and the training losses' files,
-#                   whose real-GPU tests run only where CUDA is present)
+#   TESTS           pytest arguments for the CUDA tests (default: test_device.py, the training losses' files,
+#                   whose real-GPU tests run only where CUDA is present, and profile --train's GPU test)
 #   BENCH_S         seconds the bench may run before it is stopped, keeping the prompts it finished (240)
 #   PER_CATEGORY    MT-bench questions per category in the bench (1: 8 questions)
 #   METHODS         the bench's methods (default: ar, hf, and every training-free and shipped trained one)
@@ -81,6 +81,7 @@ device_slug() {  # e.g. nvidia-h100-80gb-hbm3: names the results files
 tests() {  # the suite's CUDA tests, fp32; a JUnit file says which ran and passed
   # shellcheck disable=SC2086
   local default="tests/test_device.py tests/test_soft_loss.py tests/test_aligned_attention.py"
+  default="$default tests/test_train_profile.py::test_the_profile_times_steps_on_a_real_gpu"
   python3 -m pytest -q -p no:cacheprovider -rs --junitxml="$OUT_DIR/tests_cuda.xml" ${TESTS:-$default} \
     2>&1 | tee "$OUT_DIR/tests_cuda.log" | tail -20
   return "${PIPESTATUS[0]}"

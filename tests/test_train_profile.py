@@ -149,3 +149,19 @@ def test_the_cli_names_a_method_that_does_not_train(capsys):
     assert main(["profile", "--train", "pld,nosuch"]) == 2
     err = capsys.readouterr().err
     assert "'pld', 'nosuch' are not trained drafters" in err and "eagle2" in err  # it lists what can be profiled
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on a lent one)")
+def test_the_profile_times_steps_on_a_real_gpu(data):
+    """On CUDA the phases are read from events once a step; every phase lands and the rows add up."""
+    from conftest import make_llama
+    from specviz.core.load import prepare
+    from specviz.core.target import TargetModel
+
+    gpu = TargetModel(prepare(make_llama(48, seed=5, num_layers=4).to("cuda")))
+    cfg = TrainConfig(epochs=1, batch_tokens=96, lr=3e-3, draft_vocab=32, device="cuda")
+    batches = training_batches(data, cfg.batch_tokens, cfg.max_length, torch.Generator().manual_seed(1))[:3]
+    rows = profile_steps(gpu, ["eagle2", "eagle3"], data, {}, cfg, batches, warmup=1)
+    for row in rows:
+        assert all(row.ms[p] > 0 for p in PHASES) and len(row.step_ms) == len(batches)
+        assert row.ms["total"] == pytest.approx(sum(row.ms[p] for p in PHASES))
