@@ -8,6 +8,7 @@ import shutil
 from specviz.apps import report
 from specviz.apps.cli import main
 from specviz.apps.experiment_results import ArmResult, ExperimentResult, Training
+from specviz.apps.train_profile_results import TrainProfile
 
 
 def test_docs_results_md_is_current():
@@ -21,6 +22,7 @@ def test_every_layout_gets_its_place_and_nothing_crashes(tmp_path, monkeypatch, 
     shutil.copy(bench, tmp_path / "a.json.xz")  # a second file: sections in name order
     shutil.copy(report.BENCH_DIR / "profile_cuda_bf16_h100.json", tmp_path / "profile.json")
     shutil.copy(report.BENCH_DIR / "sweep_mtbench16_fp32_cpu.json", tmp_path / "sweep.json")
+    shutil.copy(report.BENCH_DIR / "profile_train_bf16_zen4.json", tmp_path / "train.json")
     shutil.copy(report.BENCH_DIR / "app_vs_cli_avx2_fp32.json", tmp_path / "app.json")
     (tmp_path / "cut.json.xz").write_bytes(b"\xfd7zXZ\x00 cut short")
     (tmp_path / "list.json").write_text("[1, 2]")
@@ -37,8 +39,15 @@ def test_every_layout_gets_its_place_and_nothing_crashes(tmp_path, monkeypatch, 
     assert doc == report.results_doc(tmp_path, experiments)  # the same files, the same page
     sections = [line for line in doc.splitlines() if line.startswith("#")]
     assert sections == ["# Results", "## Benchmarks", "### `a.json.xz`", "### `b.json.xz`", "## Verify-cost curves",
+                        "## Training steps", "### `train.json`",
                         "## Temperature sweeps", "### `sweep.json`", "## The app against the CLI", "### `app.json`",
                         "## The papers' experiments", "### `hass-beta-small.json`", "## Other files"]
+    train = json.loads((tmp_path / "train.json").read_text())  # a method's row, as the file holds it
+    hass = next(r for r in train["rows"] if r["method"] == "hass")
+    hours = train["run_steps"] * hass["ms"]["total"] / 3.6e6
+    assert f"| `hass` | {hass['ms']['taps']:.0f} | {hass['ms']['forward']:.0f} | " in doc
+    tok_s = hass["answer_tokens"] / hass["ms"]["total"] * 1000
+    assert f"| {hass['ms']['total']:.0f} | {tok_s:,.0f} | {hours:.2f} h |" in doc
     assert "| EAGLE-2 | 0.600 | 0.400 | 2.50 | 1.10× | – | 0.80 0.70 | 2/2 |" in doc
     app = json.loads((tmp_path / "app.json").read_text())  # its row and range, as the file holds them
     row, (low, high) = app["summary"]["ar browser"], app["first_token_on_screen_s"]
@@ -53,3 +62,13 @@ def test_every_layout_gets_its_place_and_nothing_crashes(tmp_path, monkeypatch, 
     assert main(["report", "--docs"]) == 0
     assert (tmp_path / "docs" / "results.md").read_text() == doc
     assert "wrote " in capsys.readouterr().out
+
+
+def test_a_training_profile_reads_back_as_written_and_is_told_from_a_sweep():
+    written = json.loads((report.BENCH_DIR / "profile_train_bf16_zen4.json").read_text())
+    profile = TrainProfile.from_dict(written)
+    assert profile.to_dict() == written and TrainProfile.is_one(written)
+    assert not TrainProfile.is_one(json.loads((report.BENCH_DIR / "sweep_mtbench16_fp32_cpu.json").read_text()))
+    text = profile.text()  # the terminal's table: one line a method, the projection in hours
+    for row in profile.rows:
+        assert f"{row.ms['total']:9.1f}" in text and f"{profile.run_steps * row.ms['total'] / 3.6e6:8.2f} h" in text

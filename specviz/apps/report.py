@@ -19,6 +19,7 @@ from .experiment_results import SHIPPED as EXPERIMENTS_DIR
 from .experiment_results import shipped_experiments
 from .orderings import ordering_table
 from .results import BenchResult, budget_table, markdown_rows, markdown_table, merge
+from .train_profile_results import TrainProfile
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = ROOT / "assets" / "bench"
@@ -121,7 +122,7 @@ def results_doc(folder: Path | None = None, experiments: Path | None = None) -> 
     """``docs/results.md``: every results file in ``folder`` as a section, benches first, then the verify-cost
     curves and the temperature sweeps, then the papers' experiments (``experiments``, default
     ``assets/experiments``); files of another layout are named, not read."""
-    benches, profiles, sweeps, reliability, app, batches, other = [], [], [], [], [], [], []
+    benches, profiles, sweeps, reliability, app, batches, training, other = [], [], [], [], [], [], [], []
     for path in sorted(p for p in Path(folder or BENCH_DIR).iterdir() if p.name.endswith((".json", ".json.xz"))):
         d = _read(path)
         if d is not None and {"methods", "per_prompt"} <= d.keys():
@@ -132,6 +133,9 @@ def results_doc(folder: Path | None = None, experiments: Path | None = None) -> 
                 pass
         elif d is not None and isinstance(d.get("curve"), list):
             profiles.append(_profile_row(path.name, d))
+            continue
+        elif d is not None and TrainProfile.is_one(d):
+            training.append(f"### `{path.name}`\n\n" + TrainProfile.from_dict(d).markdown())
             continue
         elif d is not None and isinstance(d.get("rows"), list):
             sweeps.append(_sweep_section(path.name, d))
@@ -155,6 +159,9 @@ def results_doc(folder: Path | None = None, experiments: Path | None = None) -> 
         parts.append("## Verify-cost curves\n\nms of one target forward verifying n tokens after the context "
                      "(`python -m specviz profile`).\n\n"
                      + markdown_rows(["file", "machine", "dtype", "shape", "context", "date", "tokens: ms"], profiles))
+    if training:
+        parts.append("## Training steps\n\nA training step of each method by phase, and a whole run's projected "
+                     "time (`python -m specviz profile --train METHODS`).\n\n" + "\n\n".join(training))
     if sweeps:
         parts.append("## Temperature sweeps\n\n" + "\n\n".join(sweeps))
     if batches:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -23,61 +23,8 @@ from specviz.core.timing import PhaseTimer
 from .experiment_train import budget_config, budget_recipe
 from .experiments import BUDGETS
 from .machine import machine_description
+from .train_profile_results import PHASES, StepProfile, TrainProfile
 from .training import training_classes
-
-PHASES = ("taps", "forward", "backward", "optimizer")
-
-
-@dataclass
-class StepProfile:
-    """One method's timed steps: mean ms per phase, and the tokens each step trained on."""
-
-    method: str
-    ms: dict[str, float]  # per phase of ``PHASES`` and "total"
-    step_ms: list[float]  # each timed step's total, in order (their spread shows a noisy machine)
-    answer_tokens: float  # positions the loss counted, per step
-    padded_tokens: float  # the batch as padded, per step
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.answer_tokens / (self.ms["total"] / 1000)
-
-
-@dataclass
-class TrainProfile:
-    target: str
-    device: str
-    precision: str  # "bf16" autocast or "no"
-    threads: int
-    machine: str
-    date: str
-    data: str  # where the sampled sequences came from
-    sequences: int  # how many were sampled
-    batch_tokens: int
-    warmup: int
-    steps: int
-    run_steps: int | None  # steps of a whole run at the budget, where its sequences are known
-    rows: list[StepProfile] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def text(self) -> str:
-        autocast = "bf16 autocast" if self.precision == "bf16" else "fp32"
-        lines = [f"training step by phase, ms (mean of {self.steps} steps after {self.warmup} warm-up), {autocast}, "
-                 f"{self.batch_tokens:,}-token batches, {self.device}, on {self.machine}",
-                 f"  data: {self.steps} of a whole run's batches ({self.sequences} sequences), from {self.data}",
-                 f"  {'method':18} " + " ".join(f"{p:>9}" for p in (*PHASES, "total")) + "   answer tok/s"
-                 + (f"   whole run ({self.run_steps:,} steps)" if self.run_steps else "")]
-        for row in self.rows:
-            line = f"  {row.method:18} " + " ".join(f"{row.ms[p]:9.1f}" for p in (*PHASES, "total"))
-            line += f"   {row.tokens_per_s:12,.0f}"
-            if self.run_steps:
-                line += f"   {self.run_steps * row.ms['total'] / 3.6e6:8.2f} h"
-            lines.append(line)
-        lines.append("  the timed batches are a whole run's own, spread from its shortest to its longest (each row's "
-                     "step_ms in the results file)")
-        return "\n".join(lines)
 
 
 def sequence_pool(target, recipe, enough: int):
