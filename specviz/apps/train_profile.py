@@ -56,7 +56,7 @@ def stratified(batches: list[list[int]], pool, count: int) -> list[list[int]]:
     return [by_width[int((k + 0.5) * len(by_width) / count)] for k in range(count)]
 
 
-def profile_training(target, names: list[str], steps: int = 6, warmup: int = 1, precision: str | None = None,
+def profile_training(target, names: list[str], steps: int = 5, warmup: int = 1, precision: str | None = None,
                      budget: str = "shared") -> TrainProfile:
     """Time ``steps`` real training steps of each of ``names`` after ``warmup`` untimed ones, phase by phase, at
     ``budget``'s settings (``precision`` overrides its autocast), on ``steps`` of a whole run's own batches
@@ -100,22 +100,23 @@ def profile_steps(target, names: list[str], data, meta: dict, cfg, batches: list
     from drafters.training.loop import StepTimings, make_accelerator, set_up, train_step
     from drafters.training.state import Progress
 
+    accelerator = make_accelerator(cfg)  # one for every method, as ``train`` shares one across drafters
+    made = [make_batch(data, ids, cfg.max_length, accelerator.device) for ids in batches]  # the same for each
+    answer = statistics.fmean(int(valid.sum()) for _, _, valid in made)
+    padded = statistics.fmean(tokens.numel() for tokens, _, _ in made)
     rows = []
     for name, cls in training_classes(names).items():
-        run = set_up(cls, target, data, cfg, meta, make_accelerator(cfg))
+        run = set_up(cls, target, data, cfg, meta, accelerator)
         progress, timings = Progress(running={}, history=[]), []
-        device = run.accelerator.device
-        for i, ids in enumerate([batches[0]] * warmup + batches):
+        for i, batch in enumerate([made[0]] * warmup + made):
             if i >= warmup:
-                progress.step = int((i - warmup + 0.5) * run.total_steps / len(batches))
-            timer = PhaseTimer(device, StepTimings())
-            train_step(run, make_batch(data, ids, cfg.max_length, device), progress, timer)
+                progress.step = int((i - warmup + 0.5) * run.total_steps / len(made))
+            timer = PhaseTimer(accelerator.device, StepTimings())
+            train_step(run, batch, progress, timer)
             if i >= warmup:
                 timings.append(timer.timings)
         ms = {p: 1000 * statistics.fmean(getattr(t, p) for t in timings) for p in PHASES}
         ms["total"] = sum(ms.values())
-        answer = statistics.fmean(int(make_batch(data, ids, cfg.max_length)[2].sum()) for ids in batches)
-        padded = statistics.fmean(make_batch(data, ids, cfg.max_length)[0].numel() for ids in batches)
         rows.append(StepProfile(name, ms, [1000 * t.total for t in timings], answer, padded))
-        run.accelerator.free_memory()
+        accelerator.free_memory()  # let go of this method's network and optimizer before the next
     return rows
