@@ -149,6 +149,8 @@ def test_the_cli_names_a_method_that_does_not_train(capsys):
     assert main(["profile", "--train", "pld,nosuch"]) == 2
     err = capsys.readouterr().err
     assert "'pld', 'nosuch' are not trained drafters" in err and "eagle2" in err  # it lists what can be profiled
+    assert main(["profile", "--train", " , "]) == 2  # no method at all: an error, not the verify-cost profile
+    assert "is not a trained drafter" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on a lent one)")

@@ -240,7 +240,7 @@ def _bench_batches(args, methods: list[str], questions, sampling) -> None:  # ap
 def cmd_profile(args) -> None:  # apps.profile, and apps.train_profile with --train
     from .profile import curve_text, kernels_text, profile
 
-    if args.train:
+    if args.train is not None:  # an empty list is an error there, not the verify-cost profile
         return _profile_training(args)
     sizes = [1]
     while sizes[-1] * 2 <= args.max_size:
