@@ -18,6 +18,7 @@ from drafters.training.state import Progress
 from specviz.apps import train_profile
 from specviz.apps.cli import main
 from specviz.apps.train_profile import PHASES, profile_steps, run_batches, sequence_pool, stratified
+from specviz.apps.training import training_classes
 from specviz.core.timing import PhaseTimer
 
 CFG = TrainConfig(epochs=1, batch_tokens=96, lr=3e-3, draft_vocab=32)
@@ -62,7 +63,7 @@ def test_every_method_steps_on_the_same_batches(target, data):
     batches = training_batches(data, CFG.batch_tokens, CFG.max_length, torch.Generator().manual_seed(1))[:4]
     answer = sum(int(make_batch(data, ids, CFG.max_length)[2].sum()) for ids in batches) / len(batches)
     padded = sum(make_batch(data, ids, CFG.max_length)[0].numel() for ids in batches) / len(batches)
-    rows = profile_steps(target, ["eagle2", "medusa"], data, {}, CFG, batches, warmup=2)
+    rows = profile_steps(target, training_classes(["eagle2", "medusa"]), data, {}, CFG, batches, warmup=2)
     assert [r.method for r in rows] == ["eagle2", "medusa"]
     for row in rows:
         assert (row.answer_tokens, row.padded_tokens) == (pytest.approx(answer), pytest.approx(padded))
@@ -71,7 +72,7 @@ def test_every_method_steps_on_the_same_batches(target, data):
         assert row.tokens_per_s == pytest.approx(answer / (row.ms["total"] / 1000))
 
 
-def test_the_timed_steps_spread_over_the_runs_progress(target, data, monkeypatch):
+def test_the_timed_steps_spread_over_the_runs_progress(target, data):
     """A late objective term (HASS's Top-K joins after 80 %) is in its share of the timed steps."""
     seen = []
 
@@ -81,9 +82,8 @@ def test_the_timed_steps_spread_over_the_runs_progress(target, data, monkeypatch
             seen.append(done)
             return super().training_loss(*args, done=done, **kwargs)
 
-    monkeypatch.setattr(train_profile, "training_classes", lambda names: {"hass": Recording})
     batches = training_batches(data, CFG.batch_tokens, CFG.max_length, torch.Generator().manual_seed(1))[:5]
-    profile_steps(target, ["hass"], data, {}, CFG, batches, warmup=1)
+    profile_steps(target, {"hass": Recording}, data, {}, CFG, batches, warmup=1)
     assert seen[0] == 0.0 and len(seen) == 6
     total = len(training_batches(data, CFG.batch_tokens, CFG.max_length, torch.Generator()))  # one epoch's steps
     assert seen[1:] == [int((k + 0.5) * total / 5) / total for k in range(5)]
@@ -163,7 +163,65 @@ def test_the_profile_times_steps_on_a_real_gpu(data):
     gpu = TargetModel(prepare(make_llama(48, seed=5, num_layers=4).to("cuda")))
     cfg = TrainConfig(epochs=1, batch_tokens=96, lr=3e-3, draft_vocab=32, device="cuda")
     batches = training_batches(data, cfg.batch_tokens, cfg.max_length, torch.Generator().manual_seed(1))[:3]
-    rows = profile_steps(gpu, ["eagle2", "eagle3"], data, {}, cfg, batches, warmup=1)
+    rows = profile_steps(gpu, training_classes(["eagle2", "eagle3"]), data, {}, cfg, batches, warmup=1)
     for row in rows:
         assert all(row.ms[p] > 0 for p in PHASES) and len(row.step_ms) == len(batches)
         assert row.ms["total"] == pytest.approx(sum(row.ms[p] for p in PHASES))
+
+
+def test_an_experiments_arms_profile_as_they_train_jointly_too(tiny_target_dir, tmp_path, monkeypatch):
+    """``experiment NAME --profile``: the arms a budget trains, by run label (a joint arm trains through the target's
+    LoRA), on the experiment's own data (semi-joint: the code slice's answers, so the whole run's steps are known)."""
+    from specviz.apps.experiments import EXPERIMENTS, Budget
+    from specviz.core.load import load_target
+
+    monkeypatch.setattr(train_profile, "cache_dir", lambda: tmp_path)
+    tiny = Budget("tiny", "6", "first", 64, 1, "float32", "a test's", answer_tokens=8)
+    monkeypatch.setitem(train_profile.BUDGETS, "tiny", tiny)
+    target = load_target(str(tiny_target_dir), "float32", "cpu")
+    exp = EXPERIMENTS["semi-joint"]
+    classes = train_profile.arm_classes(exp, tiny, target, "cpu")
+    assert list(classes) == ["semi-attn", "semi-lstm", "semi-attn-joint0.25", "semi-lstm-joint0.25"]
+    assert classes["semi-attn-joint0.25"].joint.lam == 0.25 and getattr(classes["semi-attn"], "joint", None) is None
+    chosen = {k: classes[k] for k in ("semi-attn", "semi-attn-joint0.25")}
+    result = train_profile.profile_training(target, chosen, steps=1, warmup=0, budget="tiny", exp=exp)
+    assert "code slice" in result.data and result.run_steps  # the slice's own sequences: a whole run is known
+    separate, joint = result.rows
+    assert (separate.method, joint.method) == ("semi-attn", "semi-attn-joint0.25")
+    assert joint.ms["forward"] > separate.ms["forward"]  # the joint step runs the target's body, the other reads
+
+
+def test_the_time_left_counts_each_arms_own_steps():
+    from specviz.apps.experiment_status import ArmStatus, time_left
+    from specviz.apps.train_profile_results import StepProfile, TrainProfile
+
+    def row(name, ms):
+        return StepProfile(name, {"taps": 0, "forward": ms / 2, "backward": ms / 2, "optimizer": 0, "total": ms},
+                           [ms], 100, 120)
+
+    profile = TrainProfile("t", "cpu", "bf16", 2, "m", "d", "data", 5, 4096, 1, 1, 1000,
+                           [row("b", 3600), row("c", 1800), row("d", 7200)])
+    statuses = [ArmStatus("a", "shipped", None), ArmStatus("b", "finished", None, 1000, 1000),
+                ArmStatus("c", "stopped", None, 400, 1000), ArmStatus("d", "not started", None)]
+    lines = time_left(statuses, profile)
+    assert "0 of 1,000 steps left:  0.00 h" in lines[0]
+    assert "600 of 1,000 steps left:  0.30 h" in lines[1]  # 600 steps of 1.8 s
+    assert "1,000 of 1,000 steps left:  2.00 h" in lines[2]  # a fresh run: the profile's whole run
+    assert "in all" in lines[3] and " 2.30 h," in lines[3]
+    unknown = time_left(statuses, TrainProfile(**{**profile.to_dict(), "run_steps": None,
+                                                   "rows": profile.rows}))
+    assert "steps unknown" in unknown[2] and "and the unknown" in unknown[3]
+
+
+def test_the_experiment_command_profiles_each_arm_and_says_what_is_left(tiny_target_dir, tmp_path, monkeypatch,
+                                                                         capsys):
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "profile.json"
+    assert main(["experiment", "redrafter-rnn", "--budget", "mini", "--profile", "--steps", "1", "--target",
+                 str(tiny_target_dir), "--device", "cpu", "--out", str(out)]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    arms = ["redrafter", "redrafter-no-rnn", "redrafter-4blocks"]  # nothing is shipped at the mini budget
+    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == arms
+    left = printed.split("(each row's")[1].splitlines()[1:]  # after the table: one line an arm, then the sum
+    assert [line.split()[0] for line in left] == [*arms, "in", "wrote"]
+    assert all("steps unknown" in line for line in left[:3])  # a user's target: no self-distilled sequences here

@@ -264,11 +264,11 @@ def _profile_training(args) -> None:
     from specviz.core.load import load_target
 
     from .train_profile import profile_training
-    from .training import drafters_to_train
+    from .training import drafters_to_train, training_classes
 
     names = drafters_to_train(args.train)
     target = load_target(args.target, "float32", args.device)  # training's target: fp32, features in the budget's
-    result = profile_training(target, names, args.steps, precision=args.precision)
+    result = profile_training(target, training_classes(names), args.steps, precision=args.precision)
     print(result.text())
     if args.out:
         atomic_write(Path(args.out), json.dumps(result.to_dict(), indent=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from specviz.core.errors import SettingsError
@@ -32,6 +33,10 @@ def add_parser(sub) -> None:
     e.add_argument("--status", action="store_true",
                    help="say where each trained arm stands at the budget (shipped, finished, training, stopped at step "
                         "N, not started) and stop; NAME may list several")
+    e.add_argument("--profile", action="store_true",
+                   help="time a few real training steps of each arm the budget trains, on this device, and say how "
+                        "long each whole run takes and what is left of it; then stop (NAME may list several)")
+    e.add_argument("--steps", type=int, default=5, help="--profile: timed steps per arm (after one warm-up)")
     e.add_argument("--jobs", type=int, default=1,
                    help="train up to this many arms at once, each in its own process (on a GPU: one GPU, many runs)")
     e.add_argument("--export", metavar="DIR", default=None,
@@ -88,6 +93,8 @@ def cmd_experiment(args: argparse.Namespace) -> None:
         for status in arm_status(exp, chosen, load_target(args.target, "float32", device), args.trained_on or device):
             print(status.line())
         return
+    if args.profile:
+        return _profile(exp, chosen, args, device)
     if args.train_only or args.export:
         if not exp.trains and not exp.joint:  # its arms are shipped drafters: nothing to load or train
             print(f"{exp.name} trains no arms: bench it without --train-only")
@@ -123,3 +130,25 @@ def cmd_experiment(args: argparse.Namespace) -> None:
     table = out.with_suffix(".md")
     table.write_text(result.markdown() + "\n")
     print(f"wrote {out} and {table}\n\n{result.markdown()}")
+
+
+def _profile(exp: Experiment, chosen, args: argparse.Namespace, device: str) -> None:
+    """``--profile``: each trained arm's step by phase at the budget, its whole run, and what is left of it."""
+    from specviz.core.load import load_target
+
+    from .experiment_status import arm_status, time_left
+    from .train_profile import arm_classes, profile_training
+
+    target = load_target(args.target, "float32", device)
+    classes = arm_classes(exp, chosen, target, device)
+    if not classes:
+        print(f"{exp.name} trains no arms at the {chosen.name} budget: nothing to profile")
+        return
+    result = profile_training(target, classes, args.steps, budget=chosen.name, exp=exp)
+    print(result.text())
+    print("\n".join(time_left(arm_status(exp, chosen, target, device), result)))
+    if args.out:
+        from specviz.core.files import atomic_write
+
+        atomic_write(Path(args.out), json.dumps(result.to_dict(), indent=1))
+        print(f"wrote {args.out}")

@@ -70,3 +70,23 @@ def arm_status(exp: Experiment, budget: Budget, target, device: str) -> list[Arm
         kind = "training" if pid is not None else "stopped" if state is not None else "not started"
         out.append(ArmStatus(label, kind, work, progress.step, progress.total, saved, pid))
     return out
+
+
+def time_left(statuses: list[ArmStatus], profile) -> list[str]:
+    """Per arm that trains (``statuses`` without the shipped ones, in ``arm_classes``' order, as ``profile``'s rows
+    are), the steps left and their time at the profiled mean step, alone on the profiled device; then the sum."""
+    training = [s for s in statuses if s.state != "shipped"]
+    lines, hours, unknown = [], 0.0, False
+    for status, row in zip(training, profile.rows, strict=True):
+        total = status.total or profile.run_steps or 0
+        if not total and status.state != "finished":  # a fresh run over sequences not made here: no step count
+            lines.append(f"  {status.arm:34} steps unknown: the budget's sequences are not made on this machine")
+            unknown = True
+            continue
+        left = 0 if status.state == "finished" else max(total - status.step, 0)
+        h = left * row.ms["total"] / 3.6e6
+        hours += h
+        lines.append(f"  {status.arm:34} {left:>6,} of {total:,} steps left: {h:5.2f} h")
+    lines.append(f"  {'in all':34} {hours:5.2f} h{' and the unknown' if unknown else ''}, one arm at a time on this "
+                 "device (--jobs shares its cores)")
+    return lines

@@ -20,8 +20,8 @@ from specviz.core.errors import SettingsError
 from specviz.core.load import cache_dir
 from specviz.core.timing import PhaseTimer
 
-from .experiment_train import budget_config, budget_recipe
-from .experiments import BUDGETS
+from .experiment_train import budget_config, budget_recipe, shipped_bases
+from .experiments import BUDGETS, Budget, Experiment
 from .machine import machine_description
 from .train_profile_results import PHASES, StepProfile, TrainProfile
 from .training import training_classes
@@ -36,6 +36,8 @@ def sequence_pool(target, recipe, enough: int):
     found = find_sequences(target, recipe, cache_dir() / "train")
     if found is not None:
         return load_sequences(found)["train"], f"{found.name} (the budget's training split)", True
+    if recipe.domain and not recipe.self_distilled:  # a slice's own answers: made in seconds, so made exactly
+        return collect_sequences(target, recipe)["train"], f"ShareGPT's {recipe.domain} slice (its own answers)", True
     plain = DataRecipe(enough, False, recipe.max_prompt_tokens, recipe.max_new_tokens, prompts=recipe.prompts)
     return collect_sequences(target, plain)["train"], "ShareGPT's own answers (no self-distilled set here)", False
 
@@ -56,11 +58,12 @@ def stratified(batches: list[list[int]], pool, count: int) -> list[list[int]]:
     return [by_width[int((k + 0.5) * len(by_width) / count)] for k in range(count)]
 
 
-def profile_training(target, names: list[str], steps: int = 5, warmup: int = 1, precision: str | None = None,
-                     budget: str = "shared") -> TrainProfile:
-    """Time ``steps`` real training steps of each of ``names`` after ``warmup`` untimed ones, phase by phase, at
-    ``budget``'s settings (``precision`` overrides its autocast), on ``steps`` of a whole run's own batches
-    (``stratified``); the features are extracted for their sequences alone."""
+def profile_training(target, classes: dict[str, type], steps: int = 5, warmup: int = 1, precision: str | None = None,
+                     budget: str = "shared", exp: Experiment | None = None) -> TrainProfile:
+    """Time ``steps`` real training steps of each of ``classes`` (training classes by label: ``training_classes``,
+    ``arm_classes``) after ``warmup`` untimed ones, phase by phase, at ``budget``'s settings (``precision`` overrides
+    its autocast) and on its data (``exp``'s domain slice where it has one), on ``steps`` of a whole run's own
+    batches (``stratified``); the features are extracted for their sequences alone."""
     from drafters.training.dataset import data_card, extraction_dtype
     from drafters.training.features import extract_features
 
@@ -68,7 +71,7 @@ def profile_training(target, names: list[str], steps: int = 5, warmup: int = 1, 
         raise SettingsError(f"--steps must be at least 1 and the warm-up at least 0, got {steps} and {warmup}")
     device = str(target.device)
     chosen = BUDGETS[budget]
-    recipe, cfg = budget_recipe(None, chosen, device), budget_config(chosen, device)
+    recipe, cfg = budget_recipe(exp, chosen, device), budget_config(chosen, device)
     cfg = replace(cfg, precision=precision or cfg.precision)
     pool, source, own = sequence_pool(target, recipe, enough=32 * steps)
     whole = run_batches(pool, cfg)
@@ -86,16 +89,17 @@ def profile_training(target, names: list[str], steps: int = 5, warmup: int = 1, 
     result = TrainProfile(target.name, device, cfg.mixed_precision, torch.get_num_threads(), machine_description(),
                           time.strftime("%Y-%m-%d"), source, len(seqs), cfg.batch_tokens, warmup, len(batches),
                           cfg.epochs * len(whole) if own else None)
-    result.rows = profile_steps(target, names, data, data_card(target, recipe), cfg, batches, warmup)
+    result.rows = profile_steps(target, classes, data, data_card(target, recipe), cfg, batches, warmup)
     return result
 
 
-def profile_steps(target, names: list[str], data, meta: dict, cfg, batches: list[list[int]],
+def profile_steps(target, classes: dict[str, type], data, meta: dict, cfg, batches: list[list[int]],
                   warmup: int) -> list[StepProfile]:
-    """Each method set up as ``train`` sets it up on ``data`` (a FeatureSet) and ``cfg``, then one real step on
-    each of ``batches`` (lists of indices into ``data``), timed by phase, after ``warmup`` untimed steps on the
-    first. Every method takes the same batches. Timed step k of n runs as if (k + 1/2) / n of the training were
-    done, so an objective whose terms join late (HASS's Top-K, the last fifth) has them in its share of steps."""
+    """Each training class (by label) set up as ``train`` sets it up on ``data`` (a FeatureSet) and ``cfg``, then
+    one real step on each of ``batches`` (lists of indices into ``data``), timed by phase, after ``warmup`` untimed
+    steps on the first. Every class takes the same batches. Timed step k of n runs as if (k + 1/2) / n of the
+    training were done, so an objective whose terms join late (HASS's Top-K, the last fifth) has them in its share
+    of steps."""
     from drafters.training.batches import make_batch
     from drafters.training.loop import StepTimings, make_accelerator, set_up, train_step
     from drafters.training.state import Progress
@@ -105,7 +109,7 @@ def profile_steps(target, names: list[str], data, meta: dict, cfg, batches: list
     answer = statistics.fmean(int(valid.sum()) for _, _, valid in made)
     padded = statistics.fmean(tokens.numel() for tokens, _, _ in made)
     rows = []
-    for name, cls in training_classes(names).items():
+    for name, cls in classes.items():
         run = set_up(cls, target, data, cfg, meta, accelerator)
         progress, timings = Progress(running={}, history=[]), []
         for i, batch in enumerate([made[0]] * warmup + made):
@@ -120,3 +124,19 @@ def profile_steps(target, names: list[str], data, meta: dict, cfg, batches: list
         rows.append(StepProfile(name, ms, [1000 * t.total for t in timings], answer, padded))
         accelerator.free_memory()  # let go of this method's network and optimizer before the next
     return rows
+
+
+def arm_classes(exp: Experiment, budget: Budget, target, device: str) -> dict[str, type]:
+    """The training class of each arm ``exp`` trains at ``budget`` on ``device``, by its run's label (a joint arm:
+    ``semi-attn-joint0.25``); an arm that benches a shipped checkpoint at that budget trains nothing."""
+    from drafters.training.joint import JointOptions
+
+    recipe, cfg = budget_recipe(exp, budget, device), budget_config(budget, device)
+    shipped = shipped_bases(exp.trains, budget, target, recipe, cfg, quiet=True)
+    classes = {}
+    for name, lam in [(n, None) for n in exp.trains] + [(n, lam) for lam, ns in exp.joint.items() for n in ns]:
+        if lam is None and name in shipped:
+            continue
+        cls = training_classes([name], None if lam is None else JointOptions(lam))[name]
+        classes[name if lam is None else cls.variant_name] = cls
+    return classes
