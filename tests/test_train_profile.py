@@ -213,6 +213,23 @@ def test_the_time_left_counts_each_arms_own_steps():
     assert "steps unknown" in unknown[2] and "and the unknown" in unknown[3]
 
 
+def test_arms_sharing_a_prefix_count_its_steps_once(tmp_path):
+    """Of arms that share an unwritten prefix (HASS's Top-K arms until the branch), the first counts the steps before
+    the branch and the others only those after; a written prefix counts for none of them."""
+    from specviz.apps.experiment_status import ArmStatus, time_left
+    from specviz.apps.train_profile_results import StepProfile, TrainProfile
+
+    rows = [StepProfile(n, {"taps": 0, "forward": 1800, "backward": 1800, "optimizer": 0, "total": 3600}, [3600],
+                        100, 120) for n in "abcd"]
+    profile = TrainProfile("t", "cpu", "bf16", 2, "m", "d", "data", 5, 4096, 1, 1, 1000, rows)
+    statuses = [ArmStatus(n, "not started", None) for n in "abcd"]
+    p, q = tmp_path / "p", tmp_path / "q"
+    lines = time_left(statuses, profile, [(p, 800, False), (p, 800, False), (q, 800, True), None])
+    assert ["1,000 of", "200 of", "200 of", "1,000 of"] == [" ".join(line.split()[1:3]) for line in lines[:4]]
+    assert "from the shared prefix at step 800" in lines[1] and "prefix" not in lines[0] + lines[3]
+    assert " 2.40 h," in lines[4]  # 2,400 steps of 3.6 s
+
+
 def test_the_experiment_command_profiles_each_arm_and_says_what_is_left(tiny_target_dir, tmp_path, monkeypatch,
                                                                          capsys):
     monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "cache"))

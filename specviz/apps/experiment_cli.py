@@ -137,7 +137,7 @@ def _profile(exp: Experiment, chosen, args: argparse.Namespace, device: str) -> 
     from specviz.core.load import load_target
 
     from .experiment_status import arm_status, time_left
-    from .train_profile import arm_classes, profile_training
+    from .train_profile import arm_classes, profile_training, shared_prefixes
 
     target = load_target(args.target, "float32", device)
     classes = arm_classes(exp, chosen, target, device)
@@ -146,7 +146,8 @@ def _profile(exp: Experiment, chosen, args: argparse.Namespace, device: str) -> 
         return
     result = profile_training(target, classes, args.steps, budget=chosen.name, exp=exp)
     print(result.text())
-    print("\n".join(time_left(arm_status(exp, chosen, target, device), result)))
+    print("\n".join(time_left(arm_status(exp, chosen, target, device), result,
+                               shared_prefixes(classes, exp, chosen, target, device, result.run_steps))))
     if args.out:
         from specviz.core.files import atomic_write
 

@@ -72,21 +72,33 @@ def arm_status(exp: Experiment, budget: Budget, target, device: str) -> list[Arm
     return out
 
 
-def time_left(statuses: list[ArmStatus], profile) -> list[str]:
+def time_left(statuses: list[ArmStatus], profile, prefixes: list[tuple[Path, int, bool] | None] | None = None,
+              ) -> list[str]:
     """Per arm that trains (``statuses`` without the shipped ones, in ``arm_classes``' order, as ``profile``'s rows
-    are), the steps left and their time at the profiled mean step, alone on the profiled device; then the sum."""
+    are), the steps left and their time at the profiled mean step, alone on the profiled device; then the sum.
+
+    ``prefixes``, one per such arm: (its shared prefix's folder, branch step, whether the prefix is written), or
+    None where it shares none (``drafters.training.prefix``). An arm that will start from a prefix counts only the
+    steps after the branch; of arms waiting on one unwritten prefix, the first counts the steps before it too."""
     training = [s for s in statuses if s.state != "shipped"]
-    lines, hours, unknown = [], 0.0, False
-    for status, row in zip(training, profile.rows, strict=True):
+    prefixes = prefixes or [None] * len(training)
+    lines, hours, unknown, writers = [], 0.0, False, set()
+    for status, row, prefix in zip(training, profile.rows, prefixes, strict=True):
         total = status.total or profile.run_steps or 0
         if not total and status.state != "finished":  # a fresh run over sequences not made here: no step count
             lines.append(f"  {status.arm:34} steps unknown: the budget's sequences are not made on this machine")
             unknown = True
             continue
-        left = 0 if status.state == "finished" else max(total - status.step, 0)
+        start, note = status.step, ""
+        if prefix is not None and status.step < prefix[1]:
+            folder, branch, written = prefix
+            if written or folder in writers:
+                start, note = branch, f" (from the shared prefix at step {branch:,})"
+            writers.add(folder)
+        left = 0 if status.state == "finished" else max(total - start, 0)
         h = left * row.ms["total"] / 3.6e6
         hours += h
-        lines.append(f"  {status.arm:34} {left:>6,} of {total:,} steps left: {h:5.2f} h")
+        lines.append(f"  {status.arm:34} {left:>6,} of {total:,} steps left: {h:5.2f} h{note}")
     lines.append(f"  {'in all':34} {hours:5.2f} h{' and the unknown' if unknown else ''}, one arm at a time on this "
                  "device (--jobs shares its cores)")
     return lines

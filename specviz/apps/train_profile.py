@@ -140,3 +140,21 @@ def arm_classes(exp: Experiment, budget: Budget, target, device: str) -> dict[st
         cls = training_classes([name], None if lam is None else JointOptions(lam))[name]
         classes[name if lam is None else cls.variant_name] = cls
     return classes
+
+
+def shared_prefixes(classes: dict[str, type], exp: Experiment, budget: Budget, target, device: str,
+                    total: int | None) -> list[tuple]:
+    """Per class of ``arm_classes``: (its shared prefix's folder, branch step, whether it is written), or None where
+    its objective shares no prefix or the run's steps (``total``) are unknown (``drafters.training.prefix``)."""
+    from drafters.training.prefix import branch_step
+    from drafters.training.state import saved_state
+
+    from .training import run_prefix
+
+    recipe, cfg = budget_recipe(exp, budget, device), budget_config(budget, device)
+    out = []
+    for cls in classes.values():
+        folder = run_prefix(cls, recipe.features_key(target), cfg)
+        branch = branch_step(getattr(cls, "loss", None), total) if folder is not None and total else None
+        out.append(None if branch is None else (folder, branch, saved_state(folder) is not None))
+    return out
