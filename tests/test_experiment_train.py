@@ -224,6 +224,23 @@ def test_the_status_command_lists_the_arms_and_starts_nothing(tiny_target_dir, c
     assert [line.split()[0] for line in lines] == arms and all("not started" in line for line in lines)
 
 
+def test_experiments_on_different_data_go_one_training_set_at_a_time(tiny_target_dir, capsys):
+    """semi-joint trains on the code slice, the others on every prompt: one group each, in the order named."""
+    from specviz.apps.experiment_cli import unions
+
+    groups = unions(["hass-beta", "semi-joint", "redrafter-rnn"])
+    assert [(g.name, g.domain) for g in groups] == [("hass-beta,redrafter-rnn", ""), ("semi-joint", "code")]
+    assert [a.train for a in groups[0].arms] == EXPERIMENTS["hass-beta"].trains + EXPERIMENTS["redrafter-rnn"].trains
+    assert main(["experiment", "semi-joint,hass-beta", "--budget", "mini", "--status", "--target",
+                 str(tiny_target_dir), "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["semi-attn", "semi-lstm", "semi-attn", "semi-lstm",
+                                                   *EXPERIMENTS["hass-beta"].trains]
+    assert "jointly (lambda 0.25)" in lines[2] and all("not started" in line for line in lines)
+    assert main(["experiment", "semi-joint,hass-beta", "--budget", "mini"]) == 2  # a bench takes one experiment
+    assert "bench one experiment at a time" in capsys.readouterr().err
+
+
 def test_arms_that_share_a_prefix_wait_for_its_first_arm_to_write_it(target, tmp_path, monkeypatch):
     from drafters.training.state import save_state
 

@@ -50,13 +50,16 @@ def add_parser(sub) -> None:
                         "missing one is an error, not trained here")
 
 
-def union(names: list[str]) -> Experiment:
-    """Several experiments' trained arms as one, to train or export together (each arm once)."""
+def unions(names: list[str]) -> list[Experiment]:
+    """Several experiments' trained arms, as one experiment per training set (a domain slice is data of its own),
+    each arm once, in the order the names first use each set: to train, profile or export together."""
     exps = [experiment(n) for n in names]
-    if len({e.domain for e in exps}) > 1:
-        raise SettingsError(f"{', '.join(names)}: train experiments on different data one at a time")
-    arms = tuple(dict.fromkeys(a for e in exps for a in e.arms if a.train))
-    return Experiment(",".join(names), "several", "", "", arms, domain=exps[0].domain)
+    out = []
+    for domain in dict.fromkeys(e.domain for e in exps):
+        group = [e for e in exps if e.domain == domain]
+        arms = tuple(dict.fromkeys(a for e in group for a in e.arms if a.train))
+        out.append(Experiment(",".join(e.name for e in group), "several", "", "", arms, domain=domain))
+    return out
 
 
 def cmd_experiment(args: argparse.Namespace) -> None:
@@ -71,7 +74,6 @@ def cmd_experiment(args: argparse.Namespace) -> None:
 
     from .domain_eval import domain_questions
     from .experiment_run import run_experiment
-    from .experiment_train import train_arms
     from .questions import load_questions
 
     chosen = budget(args.budget)
@@ -84,37 +86,13 @@ def cmd_experiment(args: argparse.Namespace) -> None:
         for folder in import_runs([Path(p) for p in args.import_paths]):
             print(f"imported {folder}")
     several = "," in args.name
-    exp = union(args.name.split(",")) if several else experiment(args.name)
-    if args.status:
-        from specviz.core.load import load_target
-
-        from .experiment_status import arm_status
-
-        for status in arm_status(exp, chosen, load_target(args.target, "float32", device), args.trained_on or device):
-            print(status.line())
-        return
-    if args.profile:
-        return _profile(exp, chosen, args, device)
-    if args.train_only or args.export:
-        if not exp.trains and not exp.joint:  # its arms are shipped drafters: nothing to load or train
-            print(f"{exp.name} trains no arms: bench it without --train-only")
-            return
-        from specviz.core.load import load_target
-
-        target = load_target(args.target, "float32", device)
-        if args.export:
-            from .experiment_train import exported_runs
-            from .runs_archive import export_runs
-
-            parts = export_runs(exported_runs(exp, chosen, target, device), Path(args.export), args.part_mb << 20)
-            print(f"wrote {len(parts)} part{'s' * (len(parts) != 1)}: {', '.join(str(p) for p in parts)}")
-            return
-        folders = train_arms(exp, chosen, target, device, args.trained_on, jobs=args.jobs, target_spec=args.target)
-        for (name, lam), folder in folders.items():
-            print(f"{name}{'' if lam is None else f' jointly (lambda {lam:g})'}: {folder}")
-        return
+    groups = unions(args.name.split(",")) if several else [experiment(args.name)]
+    if args.status or args.profile or args.train_only or args.export:
+        return _arms(groups, chosen, args, device)
     if several:
-        raise SettingsError("bench one experiment at a time (several names are for --train-only and --export)")
+        raise SettingsError("bench one experiment at a time (several names are for --train-only, --status, "
+                            "--profile and --export)")
+    exp = groups[0]
     name = f"{exp.name}-{chosen.name}" if exp.trains else exp.name
     out = Path(args.out) if args.out else (SHIPPED if args.ship else cache_dir() / "experiments") / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -132,14 +110,44 @@ def cmd_experiment(args: argparse.Namespace) -> None:
     print(f"wrote {out} and {table}\n\n{result.markdown()}")
 
 
-def _profile(exp: Experiment, chosen, args: argparse.Namespace, device: str) -> None:
-    """``--profile``: each trained arm's step by phase at the budget, its whole run, and what is left of it."""
+def _arms(groups: list[Experiment], chosen, args: argparse.Namespace, device: str) -> None:
+    """``--status``, ``--profile``, ``--train-only`` and ``--export``: for each group of trained arms on one training
+    set in turn (``unions``); the exported runs of every group go into one set of parts."""
     from specviz.core.load import load_target
 
+    from .experiment_status import arm_status
+    from .experiment_train import exported_runs, train_arms
+
+    if (args.train_only or args.export) and not any(e.trains or e.joint for e in groups):
+        names = ",".join(e.name for e in groups)  # its arms are shipped drafters: nothing to load or train
+        print(f"{names} trains no arms: bench it without --train-only")
+        return
+    target, runs = load_target(args.target, "float32", device), []
+    for exp in groups:
+        if args.status:
+            for status in arm_status(exp, chosen, target, args.trained_on or device):
+                print(status.line())
+        elif args.profile:
+            _profile(exp, chosen, target, args, device, len(groups) > 1)
+        elif args.export:
+            runs += exported_runs(exp, chosen, target, device)
+        elif exp.trains or exp.joint:
+            folders = train_arms(exp, chosen, target, device, args.trained_on, jobs=args.jobs,
+                                 target_spec=args.target)
+            for (name, lam), folder in folders.items():
+                print(f"{name}{'' if lam is None else f' jointly (lambda {lam:g})'}: {folder}")
+    if args.export:
+        from .runs_archive import export_runs
+
+        parts = export_runs(runs, Path(args.export), args.part_mb << 20)
+        print(f"wrote {len(parts)} part{'s' * (len(parts) != 1)}: {', '.join(str(p) for p in parts)}")
+
+
+def _profile(exp: Experiment, chosen, target, args: argparse.Namespace, device: str, grouped: bool) -> None:
+    """``--profile``: each trained arm's step by phase at the budget, its whole run, and what is left of it."""
     from .experiment_status import arm_status, time_left
     from .train_profile import arm_classes, profile_training, shared_prefixes
 
-    target = load_target(args.target, "float32", device)
     classes = arm_classes(exp, chosen, target, device)
     if not classes:
         print(f"{exp.name} trains no arms at the {chosen.name} budget: nothing to profile")
@@ -148,8 +156,10 @@ def _profile(exp: Experiment, chosen, args: argparse.Namespace, device: str) -> 
     print(result.text())
     print("\n".join(time_left(arm_status(exp, chosen, target, device), result,
                                shared_prefixes(classes, exp, chosen, target, device, result.run_steps))))
-    if args.out:
+    if args.out:  # one file a training set where several are profiled
         from specviz.core.files import atomic_write
 
-        atomic_write(Path(args.out), json.dumps(result.to_dict(), indent=1))
-        print(f"wrote {args.out}")
+        out = Path(args.out)
+        out = out.with_name(f"{out.stem}-{exp.domain or 'all'}{out.suffix}") if grouped else out
+        atomic_write(out, json.dumps(result.to_dict(), indent=1))
+        print(f"wrote {out}")
