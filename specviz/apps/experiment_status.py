@@ -52,9 +52,8 @@ def arm_status(exp: Experiment, budget: Budget, target, device: str) -> list[Arm
 
     recipe, cfg = budget_recipe(exp, budget, device), budget_config(budget, device)
     shipped = shipped_bases(exp.trains, budget, target, recipe, cfg, quiet=True)
-    arms = [(n, None) for n in exp.trains] + [(n, lam) for lam, ns in exp.joint.items() for n in ns]
     out = []
-    for name, lam in arms:
+    for name, lam in exp.trained_runs:
         label = name if lam is None else f"{name} jointly (lambda {lam:g})"
         if lam is None and name in shipped:
             out.append(ArmStatus(label, "shipped", shipped[name]))

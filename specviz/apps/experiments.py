@@ -84,6 +84,11 @@ class Experiment:
                 out[a.lam].append(a.train)
         return out
 
+    @property
+    def trained_runs(self) -> list[tuple[str, float | None]]:
+        """(method or variant, joint lambda or None) of each training run: the separate ones, then the joint ones."""
+        return [(n, None) for n in self.trains] + [(n, lam) for lam, ns in self.joint.items() for n in ns]
+
 
 EAGLE_TREE = ":preset=paper"  # every tree arm at its paper's tree (EAGLE-2's: depth 6, top_k 10, 60 nodes)
 HASS_BASE = Arm("EAGLE-2", "eagle2" + EAGLE_TREE, "eagle2")

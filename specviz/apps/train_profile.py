@@ -134,7 +134,7 @@ def arm_classes(exp: Experiment, budget: Budget, target, device: str) -> dict[st
     recipe, cfg = budget_recipe(exp, budget, device), budget_config(budget, device)
     shipped = shipped_bases(exp.trains, budget, target, recipe, cfg, quiet=True)
     classes = {}
-    for name, lam in [(n, None) for n in exp.trains] + [(n, lam) for lam, ns in exp.joint.items() for n in ns]:
+    for name, lam in exp.trained_runs:
         if lam is None and name in shipped:
             continue
         cls = training_classes([name], None if lam is None else JointOptions(lam))[name]
