@@ -64,6 +64,7 @@ import torch._dynamo
 from torch.utils._pytree import tree_map_only
 
 from .batch_cache import bucket
+from .collector import make_thread_safe
 from .files import cache_dir
 from .grouping import GroupPass
 from .head import refined
@@ -186,6 +187,7 @@ def run_graph(fn, graphs: bool, *args, **kwargs):
 def compile_forward(fn, device: torch.device, graphs: bool = False):
     """``fn`` compiled for ``device``; ``graphs``: replayed as CUDA graphs (the whole-buffer layout only)."""
     use_cache_folder()
+    make_thread_safe()  # the app compiles on a thread while it serves eager forwards (``core.collector``)
     # a decode asks for three graphs (one row, a chain, a tree mask; ``SlabCache.reserve`` never fills a buffer
     # exactly, which would be a fourth); head room for a target whose forward specialises on more
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
