@@ -10,6 +10,7 @@ import importlib
 import torch
 
 from specviz.core.collector import VARIABLES, make_thread_safe
+from specviz.core.load import prepare
 from specviz.core.target import TargetModel
 
 
@@ -81,3 +82,16 @@ def test_a_target_compiles_on_a_thread_while_eager_forwards_run_beside_it(tiny_l
         forwards += 1
     assert target.captured.wait(600), target.captured.error
     assert target.engine.path == "compiled"
+
+
+def test_a_prepared_target_computes_the_same_while_another_thread_compiles(tiny_llama, monkeypatch):
+    """specviz's own kernel rules (packed layers, the refined bf16 head, the attention kernel) choose the traced
+    form only in code dynamo traces, so an eager forward while another thread compiles computes exactly what it
+    does at any other time."""
+    model = prepare(tiny_llama(seed=5).to(torch.bfloat16), pack=True)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.inference_mode():
+        expected = model(ids).logits
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # what another thread's compilation holds
+        got = model(ids).logits
+    assert torch.equal(got, expected)

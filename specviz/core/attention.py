@@ -94,7 +94,7 @@ def few_queries(module, query, key, value, mask, dropout, kwargs) -> bool:
                              or mask.shape[2] != q or mask.shape[3] != key.shape[2]
                              or mask.dtype not in (torch.bool, query.dtype)):
         return False
-    return rows.loaded() if torch.compiler.is_compiling() else rows.available()
+    return rows.loaded() if torch.compiler.is_dynamo_compiling() else rows.available()
 
 
 def use_grouped_attention(model: torch.nn.Module) -> bool:

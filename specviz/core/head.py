@@ -66,7 +66,7 @@ def refined_logits(x: torch.Tensor, weight: torch.Tensor, coarse: torch.Tensor, 
 
 
 def _refined_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if (x.dtype != torch.float32 or torch.compiler.is_compiling() or torch.is_grad_enabled()
+    if (x.dtype != torch.float32 or torch.compiler.is_dynamo_compiling() or torch.is_grad_enabled()
             or torch.is_autocast_enabled(x.device.type)):
         return F.linear(x, self.weight, self.bias)
     return refined_logits(x, self.weight, packed_weight(self), getattr(self, ROW_NORM))

@@ -52,7 +52,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``x`` has more than ``plain_rows`` rows (all its dimensions but the last), else on the plain kernel
     (``rows.linear``). Under ``torch.compile`` the plain op (a packed module runs ``specviz::packed_linear`` there
     instead, the module docstring)."""
-    if (packed is None or torch.compiler.is_compiling() or torch.is_grad_enabled()
+    if (packed is None or torch.compiler.is_dynamo_compiling() or torch.is_grad_enabled()
             or torch.is_autocast_enabled(x.device.type)):
         return F.linear(x, weight, bias)
     if not _packs(x, packed, plain_rows):
@@ -113,7 +113,9 @@ def number(module: torch.nn.Linear) -> int:
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if (torch.compiler.is_compiling() and not torch.is_grad_enabled()
+    # "in what dynamo traces", not ``is_compiling``: torch says that to every thread while any one compiles, and an
+    # eager forward beside a compilation must compute what it always does (``core.collector``)
+    if (torch.compiler.is_dynamo_compiling() and not torch.is_grad_enabled()
             and not torch.is_autocast_enabled(x.device.type)):
         number = getattr(self, _HANDLE)
         if getattr(self, _REGISTERED, False):  # the C++ operator (``register``); an attribute, which graphs do not
