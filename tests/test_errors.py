@@ -122,8 +122,11 @@ def test_sps_assistant_that_cannot_load(target, monkeypatch):
 def test_load_target_missing_folder(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    with pytest.raises(LoadError, match="could not load model '/nonexistent/folder'"):
+    with pytest.raises(LoadError, match="could not load model '/nonexistent/folder': no such folder"):
         load_target("/nonexistent/folder")
+    for path in ("./no/such", "no/such/folder", "~/no-such-model"):  # a path, never asked of the hub
+        with pytest.raises(LoadError, match="no such folder"):
+            load_target(path)
 
 
 def test_load_target_folder_without_model(tmp_path, monkeypatch):
