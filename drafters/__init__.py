@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 from specviz.core.errors import SettingsError
+from specviz.core.files import looks_like_a_path
 from specviz.core.protocol import Drafter, Settings
 
 from .ar import AutoregressiveDrafter
@@ -88,6 +91,8 @@ def checkpoint_sources(pairs) -> dict[str, str]:
             trained = [m for m, (cls, _) in METHODS.items() if getattr(cls, "trained", False)]
             raise SettingsError(f"--drafter {pair!r}: {name} loads no checkpoint; trained methods: "
                                 f"{', '.join(trained)}")
+        if looks_like_a_path(source) and not os.path.isdir(os.path.expanduser(source)):
+            raise SettingsError(f"--drafter {pair!r}: no such folder")  # said before the target loads
         sources[name] = source
     return sources
 

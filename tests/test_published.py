@@ -143,13 +143,16 @@ def test_a_hub_id_that_cannot_be_fetched_says_so(target, monkeypatch):
         build_drafter("eagle3", target, checkpoint="nobody/no-such-eagle")
 
 
-def test_drafter_options_name_trained_methods_and_add_their_checkpoint():
+def test_drafter_options_name_trained_methods_and_add_their_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "e3").mkdir()
     sources = checkpoint_sources(["eagle3=./e3", "medusa = owner/medusa-heads"])
     assert sources == {"eagle3": "./e3", "medusa": "owner/medusa-heads"}
     assert with_checkpoints(["ar", "eagle3:depth=3", "medusa:checkpoint=mine", "hf"], sources) == [
         "ar", "eagle3:depth=3:checkpoint=./e3", "medusa:checkpoint=mine", "hf"]
     for bad, message in (("eagle3", "METHOD=FOLDER_OR_HUB_ID"), ("pld=./x", "loads no checkpoint"),
-                         ("nope=./x", "unknown method")):
+                         ("nope=./x", "unknown method"), ("eagle3=./no-e3", "no such folder"),
+                         ("medusa=runs/no/heads", "no such folder")):
         with pytest.raises(SettingsError, match=message):
             checkpoint_sources([bad])
 

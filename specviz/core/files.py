@@ -57,3 +57,9 @@ def content_key(value, length: int = 12) -> str:
 def cache_dir() -> Path:
     root = os.environ.get("SPECVIZ_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specviz"
     return Path(root)
+
+
+def looks_like_a_path(spec: str) -> bool:
+    """Whether ``spec`` names a folder rather than a Hugging Face id (``owner/name``: at most one slash, never
+    starting with a dot, a slash or a tilde), so a missing one is an error without asking the hub."""
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or (os.sep != "/" and os.sep in spec)

@@ -22,7 +22,7 @@ import torch
 from .attention import use_grouped_attention
 from .cpu import cpu_flags
 from .errors import SpecvizError
-from .files import cache_dir
+from .files import cache_dir, looks_like_a_path
 from .head import refine_head
 from .kernels import choose as choose_kernels
 from .packing import pack_linears
@@ -128,12 +128,6 @@ def resolve_dtype_or_auto(dtype: str | torch.dtype, device: str | None = None) -
     return fast_dtype(device) if dtype == "auto" else resolve_dtype(dtype)
 
 
-def _looks_like_a_path(spec: str) -> bool:
-    """Whether ``spec`` names a folder rather than a Hugging Face id (``owner/name``, never more than one slash,
-    never starting with a dot, a slash or a tilde)."""
-    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or os.sep != "/" and os.sep in spec
-
-
 def load_causal_lm(spec: str | None, dtype="float32", device: str | None = None):
     """(model, tokenizer) for ``spec``: None/'embedded', a local folder or a Hugging Face id.
     ``dtype`` "auto": bf16 on CUDA and on CPUs fast at it (AMX, AVX-512 BF16), else fp32."""
@@ -142,7 +136,7 @@ def load_causal_lm(spec: str | None, dtype="float32", device: str | None = None)
     device = device or default_device()
     spec = spec or EMBEDDED
     source = embedded_folder() if spec == EMBEDDED else spec
-    if spec != EMBEDDED and _looks_like_a_path(spec) and not os.path.isdir(os.path.expanduser(spec)):
+    if spec != EMBEDDED and looks_like_a_path(spec) and not os.path.isdir(os.path.expanduser(spec)):
         raise LoadError(f"could not load model {spec!r}: no such folder (a Hugging Face id is owner/name)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
