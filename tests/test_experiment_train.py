@@ -3,6 +3,7 @@ processes of their own, and finished runs carried from the machine that trained 
 
 from __future__ import annotations
 
+import json
 import lzma
 import shutil
 import tarfile
@@ -74,9 +75,22 @@ def test_arms_trained_in_processes_are_the_runs_a_lone_run_names(in_processes, t
 def test_a_failed_process_is_named_with_its_log(target, monkeypatch):
     exp = _exp("hass-beta0.25", "hass-passes2")
     monkeypatch.setattr(experiment_train.sys, "executable", "/bin/false")
-    failed = r"hass-beta0.25, hass-passes2 failed to train; see .*hass-beta0.25-tiny.log"
+    failed = r"hass-beta0.25-tiny, hass-passes2-tiny failed to train; see .*hass-beta0.25-tiny.log"
     with pytest.raises(SpecvizError, match=failed):
         train_arms(exp, TINY, target, "cpu", jobs=2)
+
+
+def test_a_joint_run_trains_in_a_process_of_its_own_and_each_runs_peak_is_kept(target, tiny_target_dir):
+    exp = Experiment("tiny-joint", "semi-AR", "Fig. 5", "Do joint runs train beside separate ones?",
+                     (Arm("separate", "semi-attn:width=1:length=2", "semi-attn"),
+                      Arm("joint", "semi-attn:width=1:length=2", "semi-attn", lam=0.5)), domain="code")
+    folders = train_arms(exp, TINY, target, "cpu", jobs=2, target_spec=str(tiny_target_dir))
+    assert set(folders) == {("semi-attn", None), ("semi-attn", 0.5)} and folders["semi-attn", None] != folders[
+        "semi-attn", 0.5] and all((f / CARD).exists() for f in folders.values())
+    cache = experiment_train.cache_dir() / "experiments"
+    assert {"semi-attn-joint0.5-tiny.log", "semi-attn-tiny.log"} <= {p.name for p in (cache / "logs").iterdir()}
+    peaks = json.loads((cache / "peaks.json").read_text())  # what the next scheduling of these runs starts from
+    assert peaks["semi-attn-tiny"] > 2**20 and peaks["semi-attn-joint0.5-tiny"] > 2**20
 
 
 def test_runs_travel_in_parts_and_import_as_the_same_runs(in_processes, target, tmp_path, monkeypatch):

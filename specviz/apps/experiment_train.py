@@ -7,10 +7,12 @@ Rules:
 - The ``shared`` budget is the shipped drafters' own: an arm that trains a shipped method there benches the
   shipped checkpoint, where its card says it was trained at that budget (data, epochs, dtypes, objective); only
   the variants are trained. Where a card says otherwise, the arm trains, and the reason is printed.
-- ``jobs > 1`` prepares the data and features once here, then trains up to ``jobs`` arms at once, each in a
-  process of its own (``python -m specviz.apps.experiment_train SPEC``: the experiment, budget and arm as JSON)
-  running ``train_arms`` for that arm alone, so its run folder is the one a lone run would name. They share the
-  cores and stop together (``side_by_side``).
+- ``jobs > 1`` prepares the data and features once here, then trains up to ``jobs`` runs at once, each in a
+  process of its own (``python -m specviz.apps.experiment_train SPEC``: the experiment, budget and run as JSON)
+  running ``train_arms`` for that run alone (an arm trained separately, or jointly at a lambda), so its run folder
+  is the one a lone run would name. They share the cores and stop together (``side_by_side``), and only as many
+  run at once as the machine's memory holds (``memory_gate``): each run's peak is kept in the cache
+  (``experiments/peaks.json``), so the next session knows it before the run starts.
 - ``trained_on``: the device the runs were trained on, when it is not the bench's (a GPU's runs benched on a
   CPU); a run that is missing is then an error, not a training run on the wrong device.
 """
@@ -25,9 +27,11 @@ from pathlib import Path
 from drafters import METHODS
 from drafters.checkpoint import CARD
 from specviz.core.errors import SpecvizError
+from specviz.core.files import atomic_write
 from specviz.core.load import cache_dir
 
 from .experiments import Arm, Budget, Experiment
+from .memory_gate import MemoryGate
 from .side_by_side import run_side_by_side
 from .training import data_recipe, prepare_data, run_folder, run_prefix, train_drafters, training_classes
 
@@ -88,18 +92,18 @@ def shipped_bases(names: list[str], budget: Budget, target, recipe, cfg, quiet: 
 
 
 def train_arms(exp: Experiment, budget: Budget, target, device: str, trained_on: str | None = None,
-               only: list[str] | None = None, jobs: int = 1, target_spec: str | None = None,
+               only: list[tuple[str, float | None]] | None = None, jobs: int = 1, target_spec: str | None = None,
                ) -> dict[tuple[str, float | None], Path]:
     """Each trained arm's checkpoint at ``budget`` by (method or variant, joint lambda): shipped, found in the
-    cache, or trained now (``only``: just these arms). ``specviz train`` with the same settings names the same runs."""
+    cache, or trained now (``only``: just these runs). ``specviz train`` with the same settings names the same runs."""
     from drafters.training.joint import JointOptions
 
     trained_on = trained_on or device
     recipe, cfg = budget_recipe(exp, budget, device), budget_config(budget, trained_on)
-    names = [n for n in exp.trains if only is None or n in only]
+    names = [n for n in exp.trains if only is None or (n, None) in only]
     folders = {(name, None): f for name, f in shipped_bases(names, budget, target, recipe, cfg).items()}
     names = [n for n in names if (n, None) not in folders]
-    joint = {lam: [n for n in ns if only is None or n in only] for lam, ns in exp.joint.items()}
+    joint = {lam: [n for n in ns if only is None or (n, lam) in only] for lam, ns in exp.joint.items()}
     if trained_on != device:  # only finished runs, carried here (``runs_archive``)
         runs = finished_runs(names, joint, target, recipe, cfg)
         missing = [name for name, folder in runs.items() if folder is None]
@@ -108,8 +112,8 @@ def train_arms(exp: Experiment, budget: Budget, target, device: str, trained_on:
                                f"{budget.name} budget in {cache_dir() / 'train' / 'runs'}; import them "
                                "(experiment --import) or train them there")
         return folders | runs
-    if jobs > 1 and len(names) > 1:
-        train_in_processes(exp, budget, names, target, recipe, cfg, jobs, target_spec)
+    if jobs > 1 and len(names) + sum(map(len, joint.values())) > 1:
+        train_in_processes(exp, budget, names, joint, target, recipe, cfg, jobs, target_spec)
     if names:
         found = train_drafters(names, target, recipe, cfg, None, resume=True, ship=False)
         folders.update({(name, None): folder for name, folder in found.items()})
@@ -146,24 +150,39 @@ def exported_runs(exp: Experiment, budget: Budget, target, device: str) -> list[
     return [f for f in runs.values() if f is not None]
 
 
-def train_in_processes(exp: Experiment, budget: Budget, names: list[str], target, recipe, cfg, jobs: int,
-                       target_spec: str | None) -> None:
-    """Train the unfinished ones of ``names`` up to ``jobs`` at a time, each in its own process; their output goes
-    to logs in the cache. Raises, naming the logs, if any fails."""
-    todo = [name for (name, _), folder in finished_runs(names, {}, target, recipe, cfg).items() if folder is None]
+def train_in_processes(exp: Experiment, budget: Budget, names: list[str], joint: dict[float, list[str]], target,
+                       recipe, cfg, jobs: int, target_spec: str | None) -> None:
+    """Train the unfinished runs among ``names`` (separately) and ``joint`` up to ``jobs`` at a time, as memory
+    allows, each in its own process; their output goes to logs in the cache. Raises, naming the logs, if any fails."""
+    todo = [run for run, folder in finished_runs(names, joint, target, recipe, cfg).items() if folder is None]
     if len(todo) < 2:
         return
-    prepare_data(training_classes(todo).values(), target, recipe)  # once, before the processes that read them
+    separate = [name for name, lam in todo if lam is None]
+    prepare_data(training_classes(separate).values(), target, recipe)  # once, before the processes that read them
     logs = cache_dir() / "experiments" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    commands = {name: [sys.executable, "-m", "specviz.apps.experiment_train", json.dumps(
-        {"experiment": asdict(exp), "budget": asdict(budget), "arm": name, "device": cfg.device,
-         "target": target_spec})] for name in todo}
-    named_logs = {name: logs / f"{name}-{budget.name}.log" for name in todo}
-    print(f"training {len(todo)} arms, {min(jobs, len(todo))} at a time; logs in {logs}", flush=True)
-    failed = run_side_by_side(commands, named_logs, jobs, cfg.device, ready=after_prefixes(todo, target, recipe, cfg))
+    label = {run: run_label(*run, budget) for run in todo}
+    commands = {label[run]: [sys.executable, "-m", "specviz.apps.experiment_train", json.dumps(
+        {"experiment": asdict(exp), "budget": asdict(budget), "arm": run[0], "lam": run[1], "device": cfg.device,
+         "target": target_spec})] for run in todo}
+    named_logs = {label[run]: logs / f"{label[run]}.log" for run in todo}
+    peaks_file = cache_dir() / "experiments" / "peaks.json"
+    peaks = json.loads(peaks_file.read_text()) if peaks_file.exists() else {}
+    gate = MemoryGate.for_machine({n: peaks[n] for n in commands if n in peaks})
+    print(f"training {len(todo)} runs, up to {min(jobs, len(todo))} at a time as memory allows; logs in {logs}",
+          flush=True)
+    ready = {label[(name, None)]: wait for name, wait in after_prefixes(separate, target, recipe, cfg).items()}
+    try:
+        failed = run_side_by_side(commands, named_logs, jobs, cfg.device, ready=ready, gate=gate)
+    finally:  # what each run held, for the next time it is scheduled
+        atomic_write(peaks_file, json.dumps(peaks | {n: gate.own(n) for n in commands if gate.own(n)}, indent=1))
     if failed:
         raise SpecvizError(f"{', '.join(failed)} failed to train; see {', '.join(str(named_logs[n]) for n in failed)}")
+
+
+def run_label(name: str, lam: float | None, budget: Budget) -> str:
+    """A training run's name in logs and messages: the arm, how it trains, the budget."""
+    return f"{name}-{budget.name}" if lam is None else f"{name}-joint{lam:g}-{budget.name}"
 
 
 def after_prefixes(names: list[str], target, recipe, cfg) -> dict:
@@ -183,14 +202,14 @@ def after_prefixes(names: list[str], target, recipe, cfg) -> dict:
 
 
 def _train_one(spec: str) -> None:
-    """A ``train_in_processes`` worker: ``train_arms`` for one arm of the experiment and budget ``spec`` holds."""
+    """A ``train_in_processes`` worker: ``train_arms`` for the one run of the experiment and budget ``spec`` holds."""
     from specviz.core.load import load_target
 
     spec = json.loads(spec)
     exp = dict(spec["experiment"])
     exp = Experiment(**exp | {"arms": tuple(Arm(**a) for a in exp["arms"]), "temperatures": tuple(exp["temperatures"])})
     target = load_target(spec["target"], "float32", spec["device"])
-    train_arms(exp, Budget(**spec["budget"]), target, spec["device"], only=[spec["arm"]])
+    train_arms(exp, Budget(**spec["budget"]), target, spec["device"], only=[(spec["arm"], spec.get("lam"))])
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ Rules:
   one starts, and when none is ready and nothing runs, the first starts anyway.
 - On a CPU each gets its share of the cores (``OMP_NUM_THREADS``), unless the user set that already: torch would
   give every process all of them, and the processes would fight over each core.
+- With a ``gate`` (``memory_gate``), a command also waits until its memory fits beside the running ones, and
+  the newest is stopped and queued again when the machine runs short; a command stopped so has not failed.
 - However this process is stopped (an exception, Ctrl-C, a time limit's SIGINT, a plain ``kill``'s SIGTERM), the
   commands still running are stopped too (SIGTERM: a training run ends its step and saves), and waited for. Only
   a SIGKILL of this process leaves them running; a training run's lock (``drafters.training.lock``) then keeps a
@@ -26,6 +28,8 @@ from pathlib import Path
 import torch
 
 from specviz.core.cpu import usable_cores
+
+from .memory_gate import MemoryGate, gib
 
 
 def child_env(device: str, at_once: int) -> dict[str, str]:
@@ -54,15 +58,28 @@ def sigterm_as_exit():
 
 
 def run_side_by_side(commands: dict[str, list[str]], logs: dict[str, Path], jobs: int, device: str,
-                     poll_s: float = 1.0, ready: dict[str, Callable[[], bool]] | None = None) -> list[str]:
+                     poll_s: float = 1.0, ready: dict[str, Callable[[], bool]] | None = None,
+                     gate: MemoryGate | None = None) -> list[str]:
     """Run each named command, its output appended to its log, at most ``jobs`` at once (each once ``ready``
-    says so); returns the names of those that failed, in the order they ended."""
+    says so, and once ``gate`` lets it in); returns the names of those that failed, in the order they ended."""
     queue, running, failed = list(commands), {}, []
     ready = ready or {}
 
     def next_up() -> str | None:
         waiting = [n for n in queue if n not in ready or ready[n]()]
+        if gate is not None:
+            waiting = [n for n in waiting if gate.admits(n, list(running), time.monotonic())]
         return waiting[0] if waiting else (queue[0] if queue and not running else None)
+
+    def stop_newest() -> None:  # the machine is short of memory: the last one started waits for room
+        name = max(running, key=lambda n: running[n][1])
+        proc, _ = running.pop(name)
+        proc.terminate()
+        proc.wait()
+        gate.stopped(name)
+        queue.insert(0, name)
+        print(f"{name}: stopped to free memory ({gib(gate.available())} left); it starts again when its "
+              f"{gib(gate.expected[name])} fit", flush=True)
     env = child_env(device, min(jobs, len(commands)))
     with sigterm_as_exit():
         try:
@@ -72,7 +89,13 @@ def run_side_by_side(commands: dict[str, list[str]], logs: dict[str, Path], jobs
                     with Path(logs[name]).open("a") as log:
                         proc = subprocess.Popen(commands[name], stdout=log, stderr=subprocess.STDOUT, env=env)
                     running[name] = (proc, time.monotonic())
+                    if gate is not None:
+                        gate.started(name, time.monotonic())
                 time.sleep(poll_s)
+                if gate is not None:
+                    gate.observe({n: proc.pid for n, (proc, _) in running.items()}, time.monotonic())
+                    if len(running) > 1 and gate.short():
+                        stop_newest()
                 for name, (proc, start) in list(running.items()):
                     if proc.poll() is not None:
                         del running[name]
