@@ -19,7 +19,7 @@ import sys
 
 from specviz.apps.web.space import install_space_packages
 from specviz.apps.web.starting import StartingPage
-from specviz.core.files import looks_like_a_path
+from specviz.core.files import missing_folder
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def missing_folders(args: argparse.Namespace) -> str | None:
     """A folder named on the command line that is not there, said before anything heavy is imported."""
     for spec in (args.target, args.assistant):  # a path, not a hub id: it must be there
-        if spec and looks_like_a_path(spec) and not os.path.isdir(os.path.expanduser(spec)):
+        if spec and missing_folder(spec):
             return f"could not load model {spec!r}: no such folder"
     for option, folder in (("--drafters", args.drafters), ("--joint", args.joint)):
         if folder and not os.path.isdir(os.path.expanduser(folder)):
@@ -66,7 +66,7 @@ def missing_folders(args: argparse.Namespace) -> str | None:
         name, sep, source = pair.partition("=")
         if not sep or not name.strip() or not source.strip():
             return f"--drafter {pair!r}: write METHOD=HF_ID_OR_FOLDER, e.g. eagle3=./my-eagle3"
-        if looks_like_a_path(source.strip()) and not os.path.isdir(os.path.expanduser(source.strip())):
+        if missing_folder(source.strip()):
             return f"--drafter {pair!r}: no such folder"
     return None
 

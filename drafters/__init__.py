@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 from specviz.core.errors import SettingsError
-from specviz.core.files import looks_like_a_path
+from specviz.core.files import missing_folder
 from specviz.core.protocol import Drafter, Settings
 
 from .ar import AutoregressiveDrafter
@@ -91,7 +89,7 @@ def checkpoint_sources(pairs) -> dict[str, str]:
             trained = [m for m, (cls, _) in METHODS.items() if getattr(cls, "trained", False)]
             raise SettingsError(f"--drafter {pair!r}: {name} loads no checkpoint; trained methods: "
                                 f"{', '.join(trained)}")
-        if looks_like_a_path(source) and not os.path.isdir(os.path.expanduser(source)):
+        if missing_folder(source):
             raise SettingsError(f"--drafter {pair!r}: no such folder")  # said before the target loads
         sources[name] = source
     return sources

@@ -63,3 +63,8 @@ def looks_like_a_path(spec: str) -> bool:
     """Whether ``spec`` names a folder rather than a Hugging Face id (``owner/name``: at most one slash, never
     starting with a dot, a slash or a tilde), so a missing one is an error without asking the hub."""
     return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or (os.sep != "/" and os.sep in spec)
+
+
+def missing_folder(spec: str) -> bool:
+    """Whether ``spec`` names a folder (``looks_like_a_path``) that is not there."""
+    return looks_like_a_path(spec) and not os.path.isdir(os.path.expanduser(spec))

@@ -22,7 +22,7 @@ import torch
 from .attention import use_grouped_attention
 from .cpu import cpu_flags
 from .errors import SpecvizError
-from .files import cache_dir, looks_like_a_path
+from .files import cache_dir, missing_folder
 from .head import refine_head
 from .kernels import choose as choose_kernels
 from .packing import pack_linears
@@ -136,7 +136,7 @@ def load_causal_lm(spec: str | None, dtype="float32", device: str | None = None)
     device = device or default_device()
     spec = spec or EMBEDDED
     source = embedded_folder() if spec == EMBEDDED else spec
-    if spec != EMBEDDED and looks_like_a_path(spec) and not os.path.isdir(os.path.expanduser(spec)):
+    if spec != EMBEDDED and missing_folder(spec):
         raise LoadError(f"could not load model {spec!r}: no such folder (a Hugging Face id is owner/name)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
