@@ -22,11 +22,19 @@ from scipy import stats  # noqa: E402
 from specviz.core.capture import use_cache_folder  # noqa: E402
 from specviz.core.engine import run  # noqa: E402
 from specviz.core.load import cache_dir  # noqa: E402
+from specviz.core.packing import pack  # noqa: E402
 from specviz.core.target import TargetModel  # noqa: E402
 
 # The models here are tiny: intra-op threading only adds overhead (and is very slow when the
 # cores are shared with other processes).
 torch.set_num_threads(1)
+
+
+# Both dtypes a packed layer runs in; bf16 only where oneDNN packs it on this CPU (AVX-512 or AMX: an AVX2-only
+# CPU does not, and its bf16 layers run on the plain kernels, which other tests check).
+NO_BF16_PACKING = pytest.mark.skipif(pack(torch.ones(2, 2, dtype=torch.bfloat16)) is None,
+                                     reason="this torch build or CPU cannot pack bf16 for oneDNN")
+PACKED_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=NO_BF16_PACKING)]
 
 
 # The files that take longest, longest first (``pytest --durations`` under xdist on a 2-core machine). Collected

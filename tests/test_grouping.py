@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from conftest import PACKED_DTYPES
 from specviz.core import grouping
 from specviz.core import rows as rows_kernel
 from specviz.core.packing import number, pack, pack_linears, set_plain_rows
@@ -41,7 +42,7 @@ def ops(graph_module, name):
     return sum(str(node.target).startswith(name) for node in graph_module.graph.nodes)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_a_group_gives_each_layers_own_columns(dtype, rows):
     model = layers([(24, 24), (24, 8), (24, 8), (24, 24)], dtype)  # q, k, v; then o on q's output

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from conftest import greedy_as_ar
+from conftest import NO_BF16_PACKING, greedy_as_ar
 from drafters import build_drafter
 from specviz.core.head import refine_head, refined, refined_logits
 from specviz.core.load import prepare
@@ -17,8 +17,7 @@ from specviz.core.packing import pack, packed_linear, plain_copy, unpacked
 from specviz.core.target import TargetModel
 from specviz.core.verify import top_ids
 
-pytestmark = pytest.mark.skipif(pack(torch.ones(2, 2, dtype=torch.bfloat16)) is None,
-                                reason="this torch build cannot pack bf16 for oneDNN")
+pytestmark = NO_BF16_PACKING
 VOCAB, K = 512, 64
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from conftest import PACKED_DTYPES
 from drafters import build_drafter
 from specviz.core import grouping, rows
 from specviz.core.engine import run
@@ -31,7 +32,7 @@ def registered(shapes, dtype, bias, plain_rows, seed=0):
     return model
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_each_call_and_each_group_is_the_layers_own_eager_product(dtype, bias):
     model = registered([(64, 40), (64, 24), (64, 32)], dtype, bias, plain_rows=4)
