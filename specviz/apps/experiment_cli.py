@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
                         "long each whole run takes and what is left of it; then stop (NAME may list several)")
     e.add_argument("--steps", type=int, default=5, help="--profile: timed steps per arm (after one warm-up)")
     e.add_argument("--jobs", type=int, default=1,
-                   help="train up to this many arms at once, each in its own process (on a GPU: one GPU, many runs)")
+                   help="train up to this many runs at once, each in its own process, as many as the machine's memory "
+                        "holds (on a GPU: one GPU, many runs)")
     e.add_argument("--export", metavar="DIR", default=None,
                    help="write the finished runs of the arms (NAME may list several) into tar parts in DIR, to carry "
                         "them to another machine, and stop")
