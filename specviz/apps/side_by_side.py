@@ -94,8 +94,6 @@ def run_side_by_side(commands: dict[str, list[str]], logs: dict[str, Path], jobs
                 time.sleep(poll_s)
                 if gate is not None:
                     gate.observe({n: proc.pid for n, (proc, _) in running.items()}, time.monotonic())
-                    if len(running) > 1 and gate.short():
-                        stop_newest()
                 for name, (proc, start) in list(running.items()):
                     if proc.poll() is not None:
                         del running[name]
@@ -103,6 +101,8 @@ def run_side_by_side(commands: dict[str, list[str]], logs: dict[str, Path], jobs
                               f"after {time.monotonic() - start:.0f} s", flush=True)
                         if proc.returncode:
                             failed.append(name)
+                if gate is not None and len(running) > 1 and gate.short():  # only among those still running: an
+                    stop_newest()  # ended one is not stopped and queued again, nor its failure lost
         finally:  # stopped: stop the commands too (a training run resumes from its last save)
             if running:
                 print(f"stopping {', '.join(running)}", flush=True)
