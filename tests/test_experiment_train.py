@@ -90,7 +90,8 @@ def test_a_joint_run_trains_in_a_process_of_its_own_and_each_runs_peak_is_kept(t
     assert set(folders) == {("semi-attn", None), ("semi-attn", 0.5)} and folders["semi-attn", None] != folders[
         "semi-attn", 0.5] and all((f / CARD).exists() for f in folders.values())
     cache = experiment_train.cache_dir() / "experiments"
-    assert {"semi-attn-joint0.5-tiny-apart.log", "semi-attn-tiny-apart.log"} <= {p.name for p in (cache / "logs").iterdir()}
+    logs = {p.name for p in (cache / "logs").iterdir()}
+    assert {"semi-attn-joint0.5-tiny-apart.log", "semi-attn-tiny-apart.log"} <= logs
     peaks = json.loads((cache / "peaks.json").read_text())  # what the next scheduling of these runs starts from
     assert min(peaks["semi-attn-tiny-apart"], peaks["semi-attn-joint0.5-tiny-apart"]) > 2**20
 
