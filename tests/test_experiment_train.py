@@ -8,6 +8,7 @@ import lzma
 import shutil
 import tarfile
 from dataclasses import asdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,7 +31,7 @@ from specviz.apps.experiment_train import (
 )
 from specviz.apps.experiments import BUDGETS, EXPERIMENTS, Arm, Budget, Experiment
 from specviz.apps.runs_archive import export_runs, import_runs
-from specviz.core.errors import SpecvizError
+from specviz.core.errors import SettingsError, SpecvizError
 from specviz.core.load import load_target
 
 TINY = Budget("tiny", "6", "first", 64, 1, "float32", "a test's", answer_tokens=8)
@@ -70,6 +71,30 @@ def test_arms_trained_in_processes_are_the_runs_a_lone_run_names(in_processes, t
     monkeypatch.setattr("drafters.training.loop.train", no_training)
     assert train_arms(exp, TINY, target, "cpu", jobs=2) == folders  # finished: nothing trains, no process starts
     assert "finished before" in capsys.readouterr().out
+
+
+def test_a_bf16_budget_does_not_start_training_on_a_cpu_slow_at_bf16(target, monkeypatch):
+    """Days of training with nothing said is the failure: the runs left are named, with the ways out."""
+    import specviz.core.load as load
+
+    bf16 = Budget("tiny-bf16", "6", "first", 64, 1, "bfloat16", "a test's", answer_tokens=8)
+    exp, trained = _exp("hass-beta0.5"), []
+    monkeypatch.setattr(experiment_train, "train_drafters",
+                        lambda names, *args, **kwargs: trained.extend(names) or {n: Path(n) for n in names})
+    monkeypatch.setattr(load, "cpu_flags", lambda: {"avx2", "fma"})
+    refused = r"the tiny-bf16 budget .* no bf16 matrix unit .*\(hass-beta0.5-tiny-bf16\).*--allow-slow-bf16"
+    with pytest.raises(SettingsError, match=refused):
+        train_arms(exp, bf16, target, "cpu")
+    assert trained == []
+    train_arms(exp, bf16, target, "cpu", allow_slow_bf16=True)
+    monkeypatch.setattr(load, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    train_arms(exp, bf16, target, "cpu")
+    train_arms(exp, TINY, target, "cpu")  # fp32: nothing to refuse on any CPU
+    assert trained == ["hass-beta0.5"] * 3
+    monkeypatch.setattr(load, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(experiment_train, "finished_runs",
+                        lambda names, joint, *args: {(n, None): Path(n) for n in names})
+    train_arms(exp, bf16, target, "cpu")  # finished runs bench on any CPU
 
 
 def test_a_failed_process_is_named_with_its_log(target, monkeypatch):

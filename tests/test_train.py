@@ -229,6 +229,21 @@ def test_fast_dtype_reads_the_cpu(flags, expected, monkeypatch):
     assert load.resolve_dtype_or_auto("float32", "cpu") == torch.float32
     precision = TrainConfig(precision="auto").mixed_precision
     assert precision == ("bf16" if expected == torch.bfloat16 else "no")
+    assert load.slow_bf16("cpu") == (expected == torch.float32) and not load.slow_bf16("cuda")
+
+
+def test_bf16_asked_for_on_a_cpu_slow_at_it_is_warned_of(monkeypatch, capsys):
+    import specviz.core.load as load
+    from specviz.apps.training_cli import _warn_slow_bf16
+
+    monkeypatch.setattr(load, "cpu_flags", lambda: {"avx2", "fma"})
+    _warn_slow_bf16("cpu", features=True, training=False)
+    assert "warning: features in bf16 on a CPU without AMX or AVX-512 BF16" in capsys.readouterr().err
+    _warn_slow_bf16("cpu", features=False)
+    _warn_slow_bf16("cuda", features=True)
+    monkeypatch.setattr(load, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    _warn_slow_bf16("cpu", features=True)
+    assert capsys.readouterr().err == ""
 
 
 def test_cuda_and_cuda0_are_one_device_for_training():

@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     e.add_argument("--jobs", type=int, default=1,
                    help="train up to this many runs at once, each in its own process, as many as the machine's memory "
                         "holds (on a GPU: one GPU, many runs)")
+    e.add_argument("--allow-slow-bf16", action="store_true",
+                   help="train a bf16 budget's runs on a CPU without AMX or AVX-512 BF16, where bf16 products are "
+                        "several times slower than fp32 (without it, such a run is refused with the reason)")
     e.add_argument("--export", metavar="DIR", default=None,
                    help="write the finished runs of the arms (NAME may list several) into tar parts in DIR, to carry "
                         "them to another machine, and stop")
@@ -105,7 +108,8 @@ def cmd_experiment(args: argparse.Namespace) -> None:
         questions = load_questions(args.questions, args.limit, args.per_category)
         chosen_set = f"{args.questions} ({args.per_category} per category)" if args.per_category else args.questions
     result = run_experiment(exp, chosen, questions, chosen_set, args.max_new_tokens, out, args.target, device,
-                            references=references, trained_on=args.trained_on, jobs=args.jobs)
+                            references=references, trained_on=args.trained_on, jobs=args.jobs,
+                            allow_slow_bf16=args.allow_slow_bf16)
     table = out.with_suffix(".md")
     table.write_text(result.markdown() + "\n")
     print(f"wrote {out} and {table}\n\n{result.markdown()}")
@@ -134,7 +138,7 @@ def _arms(groups: list[Experiment], chosen, args: argparse.Namespace, device: st
             runs += exported_runs(exp, chosen, target, device)
         elif exp.trains or exp.joint:
             folders = train_arms(exp, chosen, target, device, args.trained_on, jobs=args.jobs,
-                                 target_spec=args.target)
+                                 target_spec=args.target, allow_slow_bf16=args.allow_slow_bf16)
             for (name, lam), folder in folders.items():
                 print(f"{name}{'' if lam is None else f' jointly (lambda {lam:g})'}: {folder}")
     if args.export:

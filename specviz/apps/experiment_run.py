@@ -58,9 +58,10 @@ def target_quality(target, runs: list[PromptRun], references: list[str] | None) 
 def run_experiment(exp: Experiment, budget: Budget, questions: list[Question], question_set: str,
                    max_new_tokens: int, out: Path, target_spec: str | None = None, device: str = "cpu",
                    seed: int = 0, references: list[str] | None = None, trained_on: str | None = None,
-                   jobs: int = 1) -> ExperimentResult:
+                   jobs: int = 1, allow_slow_bf16: bool = False) -> ExperimentResult:
     target = load_target(target_spec, "float32", device)
-    folders = train_arms(exp, budget, target, device, trained_on, jobs=jobs, target_spec=target_spec)
+    folders = train_arms(exp, budget, target, device, trained_on, jobs=jobs, target_spec=target_spec,
+                         allow_slow_bf16=allow_slow_bf16)
     training = {key: Training.from_card(read_card(folder)) for key, folder in folders.items()}
     specs = [arm.spec + (f":checkpoint={folders[arm.train, arm.lam]}" if arm.train else "") for arm in exp.arms]
     groups: dict[Path | None, list[int]] = {}  # the adapted target's folder (None: the base) -> its arms

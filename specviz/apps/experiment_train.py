@@ -15,6 +15,9 @@ Rules:
   (``experiments/peaks.json``), so the next session knows it before the run starts.
 - ``trained_on``: the device the runs were trained on, when it is not the bench's (a GPU's runs benched on a
   CPU); a run that is missing is then an error, not a training run on the wrong device.
+- A bf16 budget does not start training on a CPU without a bf16 matrix unit (``core.load.slow_bf16``): there its
+  runs would take several times the hours they take elsewhere, with nothing said. It says so and stops, unless
+  ``allow_slow_bf16`` (``experiment --allow-slow-bf16``); finished runs still bench.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from pathlib import Path
 
 from drafters import METHODS
 from drafters.checkpoint import CARD
-from specviz.core.errors import SpecvizError
+from specviz.core.errors import SettingsError, SpecvizError
 from specviz.core.files import atomic_write
-from specviz.core.load import cache_dir
+from specviz.core.load import cache_dir, slow_bf16
 
 from .experiments import Arm, Budget, Experiment
 from .memory_gate import MemoryGate
@@ -93,7 +96,7 @@ def shipped_bases(names: list[str], budget: Budget, target, recipe, cfg, quiet: 
 
 def train_arms(exp: Experiment, budget: Budget, target, device: str, trained_on: str | None = None,
                only: list[tuple[str, float | None]] | None = None, jobs: int = 1, target_spec: str | None = None,
-               ) -> dict[tuple[str, float | None], Path]:
+               allow_slow_bf16: bool = False) -> dict[tuple[str, float | None], Path]:
     """Each trained arm's checkpoint at ``budget`` by (method or variant, joint lambda): shipped, found in the
     cache, or trained now (``only``: just these runs). ``specviz train`` with the same settings names the same runs."""
     from drafters.training.joint import JointOptions
@@ -112,6 +115,8 @@ def train_arms(exp: Experiment, budget: Budget, target, device: str, trained_on:
                                f"{budget.name} budget in {cache_dir() / 'train' / 'runs'}; import them "
                                "(experiment --import) or train them there")
         return folders | runs
+    if budget.dtype == "bfloat16" and slow_bf16(device) and not allow_slow_bf16:
+        refuse_slow_bf16(budget, finished_runs(names, joint, target, recipe, cfg))
     if jobs > 1 and len(names) + sum(map(len, joint.values())) > 1:
         train_in_processes(exp, budget, names, joint, target, recipe, cfg, jobs, target_spec)
     if names:
@@ -122,6 +127,19 @@ def train_arms(exp: Experiment, budget: Budget, target, device: str, trained_on:
             found = train_drafters(ns, target, recipe, cfg, None, resume=True, ship=False, joint=JointOptions(lam))
             folders.update({(name, lam): folder for name, folder in found.items()})
     return folders
+
+
+def refuse_slow_bf16(budget: Budget, runs: dict[tuple[str, float | None], Path | None]) -> None:
+    """Raise, naming the runs left to train, where there are any (see the module's rules)."""
+    todo = [run_label(name, lam, budget) for (name, lam), folder in runs.items() if folder is None]
+    if todo:
+        raise SettingsError(
+            f"the {budget.name} budget extracts features and trains in bf16, and this CPU has no bf16 matrix "
+            f"unit (AMX or AVX-512 BF16): its bf16 products take a slow path, several times fp32's time, so the "
+            f"{len(todo)} run{'s' * (len(todo) > 1)} left ({', '.join(todo)}) would take several times their hours "
+            "on a CPU that has one. Train them on a GPU (docs/gpu.md, its train step) or such a CPU and carry them "
+            "here (--export, --import); --profile measures what a step costs here; --allow-slow-bf16 trains here "
+            "anyway")
 
 
 def finished_runs(names: list[str], joint: dict[float, list[str]], target, recipe, cfg,
@@ -164,7 +182,7 @@ def train_in_processes(exp: Experiment, budget: Budget, names: list[str], joint:
     label = {run: run_label(*run, budget) for run in todo}
     commands = {label[run]: [sys.executable, "-m", "specviz.apps.experiment_train", json.dumps(
         {"experiment": asdict(exp), "budget": asdict(budget), "arm": run[0], "lam": run[1], "device": cfg.device,
-         "target": target_spec})] for run in todo}
+         "target": target_spec, "allow_slow_bf16": True})] for run in todo}  # this process decided
     named_logs = {label[run]: logs / f"{label[run]}.log" for run in todo}
     peaks_file = cache_dir() / "experiments" / "peaks.json"
     peaks = json.loads(peaks_file.read_text()) if peaks_file.exists() else {}
@@ -209,7 +227,8 @@ def _train_one(spec: str) -> None:
     exp = dict(spec["experiment"])
     exp = Experiment(**exp | {"arms": tuple(Arm(**a) for a in exp["arms"]), "temperatures": tuple(exp["temperatures"])})
     target = load_target(spec["target"], "float32", spec["device"])
-    train_arms(exp, Budget(**spec["budget"]), target, spec["device"], only=[(spec["arm"], spec.get("lam"))])
+    train_arms(exp, Budget(**spec["budget"]), target, spec["device"], only=[(spec["arm"], spec.get("lam"))],
+               allow_slow_bf16=spec.get("allow_slow_bf16", False))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ The work is in ``apps.training`` and the pipeline in ``drafters.training``."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from drafters import METHODS
 from drafters.training.sharegpt import DOMAINS
@@ -69,11 +70,26 @@ def add_parsers(sub) -> None:
 
 
 def _recipe(args, device: str):
+    import torch
+
     from .training import data_recipe
 
-    return data_recipe(args.samples, not args.no_self_distill, args.max_prompt_tokens, args.answer_tokens,
-                       args.distill_batch, args.prompts, args.distill_dtype, getattr(args, "feature_dtype", None),
-                       device, args.domain)  # train and validate read features; data does not
+    recipe = data_recipe(args.samples, not args.no_self_distill, args.max_prompt_tokens, args.answer_tokens,
+                         args.distill_batch, args.prompts, args.distill_dtype, getattr(args, "feature_dtype", None),
+                         device, args.domain)  # train and validate read features; data does not
+    _warn_slow_bf16(device, distillation=recipe.distill_dtype == torch.bfloat16 and recipe.self_distilled,
+                    features=recipe.feature_dtype == torch.bfloat16)
+    return recipe
+
+
+def _warn_slow_bf16(device: str, **steps: bool) -> None:
+    """Say so where a step the user set to bf16 runs on a CPU where bf16 products take a slow path."""
+    from specviz.core.load import slow_bf16
+
+    named = [name for name, bf16 in steps.items() if bf16]
+    if named and slow_bf16(device):
+        print(f"warning: {' and '.join(named)} in bf16 on a CPU without AMX or AVX-512 BF16: bf16 matrix products "
+              "take a slow path here, several times fp32's time (float32 is faster on this CPU)", file=sys.stderr)
 
 
 def cmd_data(args) -> None:  # apps.training
@@ -98,6 +114,7 @@ def cmd_train(args) -> None:  # apps.training
                       seed=args.seed, device=device, precision=args.precision, save_every=args.save_every,
                       validate_every=args.validate_every)
     joint = JointOptions(args.lam, args.lora_rank) if args.joint else None
+    _warn_slow_bf16(device, training=cfg.mixed_precision == "bf16")
     train_drafters(names, args.target, _recipe(args, device), cfg, args.out, args.resume, args.ship, joint)
 
 

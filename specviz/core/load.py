@@ -123,6 +123,12 @@ def fast_dtype(device: str | torch.device | None = None) -> torch.dtype:
     return torch.bfloat16 if cpu_flags() & {"amx_bf16", "avx512_bf16"} else torch.float32
 
 
+def slow_bf16(device: str | torch.device) -> bool:
+    """True on a CPU without AMX or AVX-512 BF16: there bf16 matrix products take a slow path, several times fp32's
+    time at training and prefill sizes (a one-row decode, bound by memory, may still gain)."""
+    return torch.device(device).type == "cpu" and fast_dtype("cpu") != torch.bfloat16
+
+
 def resolve_dtype_or_auto(dtype: str | torch.dtype, device: str | None = None) -> torch.dtype:
     """``resolve_dtype``, where "auto" means ``fast_dtype(device)``."""
     return fast_dtype(device) if dtype == "auto" else resolve_dtype(dtype)
